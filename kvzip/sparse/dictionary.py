@@ -1,0 +1,152 @@
+"""KVDictionary: per-layer key and value dictionaries in one safetensors file, with a model fingerprint.
+
+A dictionary coded for one model is garbage for another, so the file carries the fingerprint of the model it was
+learned on (architecture, layer count, KV heads, head_dim, RoPE base, config hash) and `check_fingerprint` turns a
+mismatch into one clear line. Loading uses safetensors only (no pickle); every way a file can be wrong (missing,
+truncated, not safetensors, tensors missing, other format version) is a `DictionaryError` with one line. Saving
+is atomic: a temp file in the target folder, fsync, os.replace; an interrupted save leaves neither a partial target
+nor the temp file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT_VERSION = "1"
+FINGERPRINT_KEYS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "rope_theta", "config_hash")
+KEY_MODES = ("pre-rope", "post-rope")
+_REQUIRED = ("keys", "values")
+_OPTIONAL = ("key_mean", "key_scale")
+
+
+class DictionaryError(ValueError):
+    """A dictionary file that cannot be used: the message is one line saying what and what to do."""
+
+
+@dataclass
+class KVDictionary:
+    """keys, values: (L, N, d) unit-norm atoms per layer, shared by the layer's KV heads.
+
+    key_mean: optional (L, Hkv, d) per-head key offset subtracted before coding (added back, or dropped where the
+    attention math allows). key_scale: optional (L, d) per-channel key scale (code k / scale, query times scale).
+    meta: string metadata; `make_meta` builds the standard keys.
+    """
+    keys: torch.Tensor
+    values: torch.Tensor
+    meta: dict[str, str] = field(default_factory=dict)
+    key_mean: torch.Tensor | None = None
+    key_scale: torch.Tensor | None = None
+
+    def __post_init__(self):
+        assert self.keys.dim() == 3 and self.keys.shape == self.values.shape, \
+            f"keys and values must both be (L, N, d), got {tuple(self.keys.shape)} and {tuple(self.values.shape)}"
+        L, _, d = self.keys.shape
+        if self.key_mean is not None:
+            assert self.key_mean.dim() == 3 and self.key_mean.shape[0] == L and self.key_mean.shape[2] == d, \
+                f"key_mean must be (L, Hkv, d), got {tuple(self.key_mean.shape)}"
+        if self.key_scale is not None:
+            assert self.key_scale.shape == (L, d), f"key_scale must be (L, d), got {tuple(self.key_scale.shape)}"
+        self.meta = {str(k): str(v) for k, v in self.meta.items()}
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_atoms(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def fingerprint(self) -> dict:
+        return json.loads(self.meta.get("fingerprint", "{}"))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically to path (safetensors + string metadata)."""
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        tensors = {"keys": self.keys, "values": self.values}
+        if self.key_mean is not None:
+            tensors["key_mean"] = self.key_mean
+        if self.key_scale is not None:
+            tensors["key_scale"] = self.key_scale
+        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        meta = {**self.meta, "format_version": FORMAT_VERSION, "atoms": str(self.num_atoms)}
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=folder)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:                                 # KeyboardInterrupt included: no partial files
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu") -> "KVDictionary":
+        """Read a dictionary written by `save`; every unusable file raises DictionaryError with one line."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise DictionaryError(f"dictionary file not found: {path}; train one with `kvzip train-dict`")
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                meta = dict(f.metadata() or {})
+                names = set(f.keys())
+                missing = [k for k in _REQUIRED if k not in names]
+                if missing:
+                    raise DictionaryError(f"{path} is not a kvzip dictionary: tensor(s) {', '.join(missing)} missing")
+                tensors = {k: f.get_tensor(k) for k in _REQUIRED + _OPTIONAL if k in names}
+        except DictionaryError:
+            raise
+        except Exception as e:                                # safetensors raises several types for bad files
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DictionaryError(f"{path} is truncated or not a safetensors file ({reason}); "
+                                  f"re-create it with `kvzip train-dict`") from None
+        version = meta.pop("format_version", None)
+        if version != FORMAT_VERSION:
+            raise DictionaryError(f"{path} has dictionary format version {version or 'none'}, this kvzip reads "
+                                  f"version {FORMAT_VERSION}; re-create it with `kvzip train-dict`")
+        try:
+            tensors = {k: v.to(device) for k, v in tensors.items()}
+            return cls(meta=meta, **tensors)
+        except AssertionError as e:
+            raise DictionaryError(f"{path} has inconsistent tensor shapes ({e}); "
+                                  f"re-create it with `kvzip train-dict`") from None
+
+    def check_fingerprint(self, expected: dict) -> None:
+        """Raise DictionaryError naming the first differing fingerprint field, if the model does not match."""
+        have = self.fingerprint
+        for key in FINGERPRINT_KEYS:
+            if key in expected and str(have.get(key)) != str(expected[key]):
+                what = key.replace("_", " ")
+                raise DictionaryError(
+                    f"dictionary was made for a model with {what} {have.get(key, 'unknown')}, this model has "
+                    f"{what} {expected[key]}; train one with `kvzip train-dict`")
+
+
+def make_meta(fingerprint: dict, s: int, keys: str, source: str, tokens: int,
+              key_error: list[float] | None = None, value_error: list[float] | None = None,
+              **extra: str) -> dict[str, str]:
+    """Standard metadata for a KVDictionary: all values strings, lists/dicts JSON-encoded."""
+    if keys not in KEY_MODES:
+        raise ValueError(f"keys must be one of {', '.join(KEY_MODES)}, got {keys!r}")
+    meta = {"fingerprint": json.dumps(fingerprint, sort_keys=True), "sparsity": str(s), "keys": keys,
+            "calibration_source": source, "calibration_tokens": str(tokens)}
+    if key_error is not None:
+        meta["heldout_key_error"] = json.dumps([round(float(e), 5) for e in key_error])
+    if value_error is not None:
+        meta["heldout_value_error"] = json.dumps([round(float(e), 5) for e in value_error])
+    meta.update({k: str(v) for k, v in extra.items()})
+    return meta

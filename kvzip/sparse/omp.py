@@ -1,0 +1,109 @@
+"""Batched Orthogonal Matching Pursuit (OMP) on a precomputed Gram matrix.
+
+Writes each row x of a batch as a sparse combination of `s` unit-norm dictionary atoms (rows of D). This is the
+coder the Lexico baseline uses, and the reference the FAD-KV screening coder (screen.py) is measured against.
+
+Why this formulation: the residual vector is never formed. With c0 = D x (correlations of every atom with x) and
+the Gram matrix G = D Dᵀ, Gram-Schmidt can be run in the correlation domain: the k-th orthonormalised atom q_k has
+correlations u_k = D q_k with every atom, and u_k only needs G's row of the newly picked atom and the earlier u's.
+The entries u_m[j] of the earlier u's at the new atom j are exactly the new row of the Cholesky factor of G[I, I]
+(an incremental Cholesky update with no triangular solve per step), the projection of x on q_k is the current
+residual correlation divided by the new diagonal, and the residual correlations are updated by one axpy. The
+coefficients come from a single batched s x s triangular solve at the end. Per vector: one N x d matmul, then
+O(k N) work at step k. G is computed once per dictionary by the caller (`gram_matrix`), never per call.
+"""
+from __future__ import annotations
+
+import torch
+
+# A newly picked atom whose squared distance to the span of the already picked ones is below this is treated as
+# linearly dependent: it gets coefficient 0 instead of dividing by ~0.
+_DEPENDENT = 1e-6
+
+
+def gram_matrix(D: torch.Tensor) -> torch.Tensor:
+    """G = D Dᵀ in fp32 for a dictionary D (N, d) of atoms in rows. Returns (N, N)."""
+    assert D.dim() == 2, f"dictionary must be (N, d), got {tuple(D.shape)}"
+    Df = D.float()
+    return Df @ Df.T  # (N, N)
+
+
+def default_chunk(device: torch.device, per_row: int) -> int:
+    """Rows per chunk so that a (chunk, per_row) fp32 workspace is ~8 MB on CPU, ~1 GB on an accelerator."""
+    budget = 2 ** 21 if torch.device(device).type == "cpu" else 2 ** 28
+    return max(64, budget // max(per_row, 1))
+
+
+def _check(x: torch.Tensor, D: torch.Tensor, s: int, gram: torch.Tensor | None) -> None:
+    assert x.dim() == 2 and D.dim() == 2 and x.shape[1] == D.shape[1], \
+        f"x must be (M, d) and D (N, d), got {tuple(x.shape)} and {tuple(D.shape)}"
+    assert 1 <= s <= D.shape[0], f"sparsity s={s} must be in [1, N={D.shape[0]}]"
+    if gram is not None:
+        assert gram.shape == (D.shape[0], D.shape[0]), f"gram must be (N, N), got {tuple(gram.shape)}"
+
+
+def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """OMP given the correlations c0 = x Dᵀ (M, N) and a Gram matrix G (N, N) or (M, N, N), both fp32.
+
+    A per-row Gram (M, N, N) lets screen.py run OMP on each vector's own candidate pool. Returns idx (M, s) int64
+    (positions in c0's columns) and coef (M, s) fp32.
+    """
+    M, N = c0.shape
+    batched = G.dim() == 3
+    rows = torch.arange(M, device=c0.device)
+    alpha = c0.clone()                                        # (M, N) residual correlations
+    U = c0.new_zeros(M, s, N)                                 # (M, s, N) correlations of orthonormalised atoms
+    Lw = c0.new_zeros(M, s, s)                                # (M, s, s) Cholesky factor of G[I, I], lower
+    z = c0.new_zeros(M, s)                                    # (M, s) projections of x on the orthonormal basis
+    idx = torch.empty(M, s, dtype=torch.long, device=c0.device)
+    taken = torch.zeros(M, N, dtype=torch.bool, device=c0.device)
+    gdiag = G.diagonal(dim1=-2, dim2=-1)                      # (N,) or (M, N)
+    for k in range(s):
+        j = alpha.abs().masked_fill(taken, -1.0).argmax(dim=1)  # (M,) never an atom twice
+        idx[:, k] = j
+        taken[rows, j] = True
+        w = U[rows, :k, j]                                    # (M, k) new Cholesky row = earlier q's against atom j
+        gj = G[rows, j] if batched else G[j]                  # (M, N) Gram row of the new atom
+        gjj = gdiag[rows, j] if batched else gdiag[j]         # (M,)
+        d2 = gjj - (w * w).sum(1)                             # (M,) squared distance of atom j to span(I)
+        ok = d2 > _DEPENDENT
+        diag = torch.where(ok, d2.clamp_min(_DEPENDENT).sqrt(), torch.ones_like(d2))
+        u = gj - torch.bmm(w.unsqueeze(1), U[:, :k]).squeeze(1) if k else gj.clone()  # (M, N)
+        u = torch.where(ok.unsqueeze(1), u / diag.unsqueeze(1), torch.zeros_like(u))
+        zk = torch.where(ok, alpha[rows, j] / diag, torch.zeros_like(d2))  # (M,)
+        U[:, k] = u
+        Lw[:, k, :k] = torch.where(ok.unsqueeze(1), w, torch.zeros_like(w))
+        Lw[:, k, k] = diag
+        z[:, k] = zk
+        alpha -= zk.unsqueeze(1) * u
+    # L Lᵀ coef = c0[I] and L z = c0[I]  =>  Lᵀ coef = z
+    coef = torch.linalg.solve_triangular(Lw.transpose(1, 2), z.unsqueeze(2), upper=True).squeeze(2)  # (M, s)
+    return idx, coef
+
+
+@torch.no_grad()
+def omp(x: torch.Tensor, D: torch.Tensor, s: int, gram: torch.Tensor | None = None,
+        chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code x (M, d) with s atoms of D (N, d, unit-norm rows) by OMP.
+
+    Returns idx (M, s) int64 and coef (M, s) in x.dtype with x ≈ (coef.unsqueeze(-1) * D[idx]).sum(1).
+    Computes in fp32 (bf16/fp16 inputs are upcast). `gram` = gram_matrix(D), passed by callers that code more
+    than once with the same dictionary. Rows are processed `chunk` at a time to bound the (chunk, s, N) workspace
+    (default: sized to stay in CPU cache, measured 1.6x faster than 4096-row chunks on CPU; large on CUDA).
+    """
+    _check(x, D, s, gram)
+    chunk = chunk or default_chunk(x.device, s * D.shape[0])
+    G = gram_matrix(D) if gram is None else gram.float()
+    Df = D.float()
+    idx_out, coef_out = [], []
+    for c in range(0, max(x.shape[0], 1), chunk):
+        xc = x[c:c + chunk].float()                           # (m, d)
+        i, a = omp_from_correlations(xc @ Df.T, G, s)         # (m, s), (m, s)
+        idx_out.append(i)
+        coef_out.append(a)
+    return torch.cat(idx_out), torch.cat(coef_out).to(x.dtype)
+
+
+def reconstruct(D: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """Dense vectors (M, d) from codes idx, coef (M, s) over dictionary D (N, d)."""
+    return torch.einsum("ms,msd->md", coef.float(), D.float()[idx])  # (M, d)
