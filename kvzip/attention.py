@@ -1,0 +1,76 @@
+"""kvzip's attention function, registered with transformers as `attn_implementation="kvzip"`.
+
+A transformers cache layer's `update()` never sees the query, but compressed-domain attention and thought selection
+need it. Every kvzip model runs this function instead of SDPA: when the forward call carries a kvzip cache
+(`kvzip_cache=...` in the model kwargs, see `KVCache.model_kwargs`) and the layer has an `attend` method, the layer
+computes attention itself; otherwise this is exactly transformers' SDPA path, so `model.generate` and the `full` method
+stay token-identical to stock transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+ATTN_IMPLEMENTATION = "kvzip"
+
+
+def kvzip_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query (B, Hq, q, d), key/value as returned by the cache layer's update; returns ((B, q, Hq, d), None)."""
+    cache = kwargs.pop("kvzip_cache", None)
+    if cache is not None:
+        layer = cache.layers[module.layer_idx]
+        attend = getattr(layer, "attend", None)
+        if attend is not None:
+            return attend(module, query, key, value, attention_mask, scaling), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, kvzip_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def dense_attention(query, keys, values, mask, scaling, positions=None):
+    """Plain attention of `query` over stored dense `keys`/`values`, for cache layers that keep a subset of tokens.
+
+    query (B, Hq, q, d); keys/values (B, Hkv, S, d); `mask` is transformers' 4D boolean mask over the layer's
+    *virtual* positions (B, 1, q, kv_len) or None. `positions` (B, S) are the virtual positions of the stored
+    tokens of each row, used to gather the mask columns. With mask None and q > 1 the last q stored tokens are the
+    new ones and get a causal mask among themselves. Returns (B, q, Hq, d).
+    """
+    q_len = query.shape[2]
+    attn_mask = None
+    if mask is not None:
+        attn_mask = mask if positions is None else gather_mask(mask, positions)
+    elif q_len > 1:
+        # No padding: stored tokens before the new ones are all visible, the new ones causally.
+        s = keys.shape[2]
+        attn_mask = torch.ones(q_len, s, dtype=torch.bool, device=query.device)
+        attn_mask[:, s - q_len :] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=attn_mask, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1]
+    )  # (B, Hq, q, d)
+    return out.transpose(1, 2).contiguous()
+
+
+def gather_mask(mask, positions):
+    """mask (B, 1, q, kv_len) -> (B, 1, q, S): the columns of each row's stored tokens, positions (B, S)."""
+    b, _, q, _ = mask.shape
+    index = positions.to(mask.device)[:, None, None, :].expand(b, 1, q, positions.shape[-1])
+    return mask.gather(-1, index)
+
+
+def leading_padding(mask, batch: int, device) -> torch.Tensor:
+    """(B,) count of left-padding positions, read from the prefill's 4D mask (all zeros when there is no mask)."""
+    if mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    visible = mask[:, 0, -1, :] if mask.dtype == torch.bool else mask[:, 0, -1, :] == 0  # (B, kv_len)
+    return (visible.long().cumsum(-1) == 0).sum(-1).to(device)
+
+
+def gather_tokens(x, index):
+    """x (B, H, S, d), index (B, K) -> (B, H, K, d): the same K stored tokens of every head of a row."""
+    b, h, _, d = x.shape
+    return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[-1], d))

@@ -1,0 +1,42 @@
+"""Find and load the dictionaries a method needs, checked against the model they will serve.
+
+Shipped dictionaries live in the top-level `dictionaries/` folder as `<model-name>.safetensors`; `$KVZIP_DICTIONARIES`
+points elsewhere, `--dict PATH` names one file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvzip.errors import UserError
+
+
+def dictionary_dir() -> Path:
+    env = os.environ.get("KVZIP_DICTIONARIES")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "dictionaries"
+
+
+def default_dictionary_path(source) -> Path:
+    return dictionary_dir() / f"{source.name}.safetensors"
+
+
+def dictionaries_for(method, model, source, path: Path | None = None):
+    """The checked KVDictionary for a method that needs one, else None. UserError when missing or mismatched."""
+    if not getattr(method, "needs_dictionary", False):
+        return None
+    from kvzip.models import model_fingerprint
+    from kvzip.sparse.dictionary import DictionaryError, KVDictionary
+
+    path = Path(path) if path is not None else default_dictionary_path(source)
+    if not path.is_file():
+        raise UserError(
+            f"method '{method.name}' needs a dictionary and {path} does not exist: "
+            f"train one with `kvzip train-dict --model {source.name} --out {path}` or pass --dict"
+        )
+    try:
+        dictionary = KVDictionary.load(path, device=str(model.device))
+        dictionary.check_fingerprint(model_fingerprint(model.config))
+    except DictionaryError as exc:
+        raise UserError(str(exc)) from None
+    return dictionary

