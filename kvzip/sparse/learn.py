@@ -31,7 +31,7 @@ def relative_error(X: torch.Tensor, D: torch.Tensor, idx: torch.Tensor, coef: to
     return err / Xf.norm(dim=1).clamp_min(1e-12)
 
 
-def encode(X: torch.Tensor, D: torch.Tensor, s: int, coder: str = "omp", n: int = 32,
+def encode(X: torch.Tensor, D: torch.Tensor, s: int, coder: str = "omp", n: int = 16,
            gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Code X (M, d) with the named coder. Returns idx (M, s), coef (M, s)."""
     if coder not in CODERS:
@@ -56,7 +56,7 @@ def _mod_update(X: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor, N: int, 
 
 
 @torch.no_grad()
-def learn_dictionary(X: torch.Tensor, n_atoms: int, s: int, iters: int, coder: str = "omp", n: int = 32,
+def learn_dictionary(X: torch.Tensor, n_atoms: int, s: int, iters: int, coder: str = "omp", n: int = 16,
                      seed: int = 0, progress: Progress | None = None, min_use: int = 2,
                      ridge: float = 1e-4) -> torch.Tensor:
     """Learn N = n_atoms unit-norm atoms (N, d) for the rows of X (M, d).
