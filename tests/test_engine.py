@@ -12,6 +12,8 @@ from kvzip.methods import METHODS, get_method
 # Small settings so that every method compresses within a few dozen tokens of the tiny model.
 TINY_OPTS = {
     "window": {"sinks": "2", "window": "8"},
+    "hf-int4": {"q_group_size": "16", "residual_length": "8"},
+    "hf-int2": {"q_group_size": "16", "residual_length": "8"},
 }
 
 

@@ -1,0 +1,111 @@
+"""Peers: transformers' own quantized KV caches as kvzip methods, so `kvzip bench` measures them in the same run.
+
+- `hf-fp8`: `Fp8QuantizedLayer` (QuantizedCache backend "fp8"): keys and values in float8 e4m3 with a per-tensor
+  scale calibrated on the prefill and frozen after it.
+- `hf-int4`, `hf-int2`: `QuantoQuantizedLayer` (backend "quanto", KIVI-style): groups of `q_group_size` values
+  quantized with a scale and a shift, the newest tokens kept in full precision until `residual_length` of them
+  have gathered, then the whole cache is re-quantized. Needs `optimum-quanto`.
+
+The layers are transformers' own, unchanged: they return dequantized K/V to the stock SDPA path (no `attend`).
+kvzip adds only the memory report, counted from what the layers really hold: the quantized tensors' bytes (packed
+codes plus every scale and shift, walked through quanto's tensor subclasses) plus the full-precision residual.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Fp8QuantizedLayer, QuantoQuantizedLayer
+
+from kvzip.errors import UserError
+from kvzip.methods.base import KVCache, Method, check_choice, check_positive, model_layout, tensor_bytes
+
+
+def stored_bytes(obj) -> int:
+    """Bytes really held by a quantized state: plain tensors, quanto QTensor/PackedTensor subclasses (walked through
+    their inner tensors `_data`, `_scale`, `_shift`), or tuples of them (fp8 keeps (codes, scale))."""
+    if obj is None:
+        return 0
+    if isinstance(obj, (tuple, list)):
+        return sum(stored_bytes(o) for o in obj)
+    if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+        names, _ = obj.__tensor_flatten__()
+        return sum(stored_bytes(getattr(obj, n)) for n in names)
+    return tensor_bytes(obj)
+
+
+class _PeerMemory:
+    """Memory report and full-cache equivalent for transformers' quantized layers (mixed in first)."""
+
+    def lazy_initialization(self, key_states, value_states):
+        self.batch, self.kv_heads, _, self.head_dim = key_states.shape  # (B, Hkv, T, d)
+        self.dtype = key_states.dtype
+        super().lazy_initialization(key_states, value_states)
+
+    def memory(self) -> dict[str, int]:
+        residual = tensor_bytes(self.keys, self.values) if self.keys is not None else 0
+        return {"device": residual, "codes": stored_bytes(self._quantized_keys) + stored_bytes(self._quantized_values)}
+
+    def full_bytes(self, element_size: int) -> int:
+        return 2 * self.batch * self.kv_heads * self.cumulative_length * self.head_dim * element_size
+
+
+class PeerFp8Layer(_PeerMemory, Fp8QuantizedLayer):
+    pass
+
+
+class PeerQuantoLayer(_PeerMemory, QuantoQuantizedLayer):
+    pass
+
+
+@dataclass
+class HfFp8(Method):
+    """transformers QuantizedCache(backend="fp8"): float8 e4m3 keys and values, one frozen scale per tensor."""
+
+    name = "hf-fp8"
+    summary = "peer: transformers' fp8 quantized cache (per-tensor scale), stock attention"
+
+    def make_cache(self, model, dictionaries=None) -> KVCache:
+        layers, _, _ = model_layout(model)
+        return KVCache([PeerFp8Layer() for _ in range(layers)], self)
+
+
+@dataclass
+class _Quanto(Method):
+    q_group_size: int = 64
+    residual_length: int = 128
+
+    bits = 4
+
+    def __post_init__(self):
+        check_positive(q_group_size=self.q_group_size, residual_length=self.residual_length)
+        check_choice("q_group_size", self.q_group_size, (16, 32, 64, 128))
+
+    def make_cache(self, model, dictionaries=None) -> KVCache:
+        if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+            raise UserError(f"method '{self.name}' needs optimum-quanto: pip install optimum-quanto")
+        layers, _, head_dim = model_layout(model)
+        if head_dim % self.q_group_size:
+            raise UserError(f"method '{self.name}': q_group_size {self.q_group_size} must divide head_dim {head_dim}")
+        return KVCache([PeerQuantoLayer(nbits=self.bits, q_group_size=self.q_group_size,
+                                        residual_length=self.residual_length) for _ in range(layers)], self)
+
+
+@dataclass
+class HfInt4(_Quanto):
+    """transformers QuantizedCache(backend="quanto", nbits=4): KIVI-style int4 with a full-precision residual."""
+
+    name = "hf-int4"
+    summary = "peer: transformers' quanto int4 cache (groups + fp residual), stock attention"
+    bits = 4
+
+
+@dataclass
+class HfInt2(_Quanto):
+    """transformers QuantizedCache(backend="quanto", nbits=2): KIVI-style int2 with a full-precision residual."""
+
+    name = "hf-int2"
+    summary = "peer: transformers' quanto int2 cache (groups + fp residual), stock attention"
+    bits = 2
