@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -47,3 +48,125 @@ def summary_line(stats: dict) -> str:
 
 def is_terminal() -> bool:
     return sys.stdout.isatty()
+
+
+# -- kvzip chat: the live panel under a streaming answer, the /stats table ---------------------------------------------
+
+def _options_text(snap: dict) -> str:
+    opts = snap.get("options") or {}
+    return snap.get("method", "?") + (f" ({', '.join(f'{k}={v}' for k, v in opts.items())})" if opts else "")
+
+
+def _method_stats_text(stats: dict) -> str:
+    return ", ".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in stats.items()) or "none"
+
+
+def _ratio_text(snap: dict) -> str:
+    full, total = snap["kv_bytes_fp16_full"], snap["kv_bytes"]
+    if not full:
+        return "no tokens yet"
+    return f"{total / full:.1%} of fp16 full {human_bytes(full)}" + (f", {full / total:.1f}x smaller" if total else "")
+
+
+def chat_compact(snap: dict) -> str:
+    """The whole panel in one line, for narrow terminals (--compact) and per-turn summaries."""
+    return (
+        f"{snap['method']} | ctx {snap['context_tokens']}/{snap['context_limit']} | "
+        f"{snap['decode_tokens_per_s_recent']:.1f} tok/s (avg {snap['decode_tokens_per_s_average']:.1f}) | "
+        f"KV {human_bytes(snap['kv_bytes'])}, {_ratio_text(snap)} | {_method_stats_text(snap['method_stats'])}"
+    )
+
+
+def chat_panel(snap: dict, compact: bool = False):
+    """The live panel: speed, context, KV bytes by tier against fp16 full, and the method's own stats."""
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    if compact:
+        return Text(chat_compact(snap), style="dim", no_wrap=True, overflow="ellipsis")
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    tiers = " | ".join(f"{k} {human_bytes(v)}" for k, v in snap["kv_bytes_by_tier"].items())
+    grid.add_row("decode", f"{snap['decode_tokens_per_s_recent']:.1f} tok/s now, "
+                           f"{snap['decode_tokens_per_s_average']:.1f} tok/s average")
+    grid.add_row("context", f"{snap['context_tokens']} / {snap['context_limit']} tokens, {snap['turns']} turns")
+    grid.add_row("KV cache", f"{human_bytes(snap['kv_bytes'])}: {tiers}")
+    grid.add_row("vs full", _ratio_text(snap))
+    grid.add_row("method", Text(_method_stats_text(snap["method_stats"])))
+    return Panel(grid, title=Text(_options_text(snap)), title_align="left", expand=False)
+
+
+def chat_stats_table(snap: dict):
+    """/stats: every number of the snapshot as a two-column table."""
+    from rich.table import Table
+
+    table = Table(title=f"kvzip chat: {_options_text(snap)}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("turns", str(snap["turns"]))
+    table.add_row("tokens in context", f"{snap['context_tokens']} of {snap['context_limit']}")
+    table.add_row("decode tok/s (recent / average)",
+                  f"{snap['decode_tokens_per_s_recent']:.1f} / {snap['decode_tokens_per_s_average']:.1f}")
+    table.add_row("KV bytes total", f"{snap['kv_bytes']:,} ({human_bytes(snap['kv_bytes'])})")
+    for tier, n in snap["kv_bytes_by_tier"].items():
+        table.add_row(f"  {tier}", f"{n:,}")
+    table.add_row("full cache, same dtype", f"{snap['kv_bytes_full']:,}")
+    table.add_row("full cache, fp16", f"{snap['kv_bytes_fp16_full']:,}")
+    table.add_row("ratio vs fp16 full", f"{snap['kv_ratio_vs_fp16_full']:.4f}")
+    for key, value in snap["method_stats"].items():
+        table.add_row(f"{snap['method']}: {key}", str(value))
+    return table
+
+
+class ChatLive:
+    """An answer streaming above the live panel. Finished lines go to the scrollback; the line being written and
+    the panel are redrawn at most `per_second` times a second (and not at all when stdout is not a terminal:
+    then text streams as it comes)."""
+
+    def __init__(self, compact: bool = False, per_second: float = 4.0):
+        from rich.live import Live
+
+        self.compact, self.period = compact, 1.0 / per_second
+        self.terminal = is_terminal()
+        self.live = Live(console=out, auto_refresh=False, transient=True) if self.terminal else None
+        self.line, self.snap, self.drawn = "", None, 0.0
+
+    def __enter__(self):
+        if self.live is not None:
+            self.live.start()
+        return self
+
+    def write(self, text: str) -> None:
+        if self.live is None:
+            out.print(text, end="", markup=False)
+            return
+        self.line += text
+        if "\n" in self.line:
+            done, _, self.line = self.line.rpartition("\n")
+            self.live.console.print(done, markup=False)
+        if len(self.line) > 4 * out.width and " " in self.line:  # a long paragraph: move it up to the last space
+            done, _, self.line = self.line.rpartition(" ")
+            self.live.console.print(done, markup=False)
+
+    def update(self, snapshot, force: bool = False) -> None:
+        """`snapshot` is a callable giving the numbers; it is only called when a redraw is due."""
+        if self.live is None or (not force and time.monotonic() - self.drawn < self.period):
+            return
+        from rich.console import Group
+        from rich.text import Text
+
+        self.snap = snapshot()
+        self.drawn = time.monotonic()
+        self.live.update(Group(Text(self.line), chat_panel(self.snap, self.compact)), refresh=True)
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.stop()
+            if self.line:
+                out.print(self.line, markup=False)
+        else:
+            out.print()
+        self.line = ""
+        return False
