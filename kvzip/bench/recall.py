@@ -1,0 +1,154 @@
+"""Recall probe: can a cache still retrieve a fact stated in an early thought after many later thoughts?
+
+The reasoning is teacher-forced (fixed text fed token by token), so the small model's weak reasoning cannot hide what
+the cache lost. Each trial: a chat prompt, then an assistant "reasoning" of paragraphs: `n_facts` short facts
+("Note 2: the blue box holds the violin."), then held-out prose paragraphs (kvzip.data.evaluation_prose, GPQA
+explanations and GSM8K solutions) as filler, then a question paragraph ("Back to the boxes: the blue box holds the").
+The score is likelihood ranking: the trial counts as recalled when the right object is the most likely next token
+among the trial's candidate objects (all single tokens; chance is 1/n_facts).
+
+Feeding goes through `forced_decode`, which mirrors the engine's decode loop (prefill, then per token
+`cache.on_step(ids, texts)` with the decoded text, then a one-token forward) so that thought segmentation runs exactly
+as in generation; trials are rows of one left-padded batch of equal forced length.
+
+    from kvzip.bench.recall import recall_probe
+    recall_probe(model, tokenizer, get_method("zoomr"), n_trials=8)  # {"recall_accuracy": 0.875, ...}
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from kvzip.engine import _Detok, _sync, encode
+
+COLORS = ["blue", "red", "green", "yellow", "black", "white", "orange", "purple", "brown", "pink", "grey", "silver"]
+OBJECTS = ["apple", "violin", "candle", "tiger", "piano", "lantern", "compass", "river", "hammer", "mirror",
+           "pencil", "rabbit", "bottle", "feather", "clock", "ladder", "basket", "helmet", "kettle", "anchor"]
+PROMPT = ("Read my notes about the boxes, think them through paragraph by paragraph, "
+          "and remember what each box holds: I will ask about one of them at the end.")
+
+
+@torch.inference_mode()
+def forced_decode(model, tokenizer, cache, prompts: list[list[int]], forced: list[list[int]]):
+    """Prefill `prompts` (left-padded), then feed `forced` (equal lengths T) one token per step, calling on_step.
+
+    Returns (preds (B, T+1) greedy next token at the prefill and after each fed token, last logits (B, V), seconds
+    spent in the decode steps, peak memory by tier).
+    """
+    device, batch = model.device, len(prompts)
+    steps = len(forced[0])
+    if any(len(f) != steps for f in forced):
+        raise ValueError("forced continuations must all have the same length")
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    peak: dict[str, int] = {}
+
+    def forward(x, pos):
+        logits = model(input_ids=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                       logits_to_keep=1, **cache.model_kwargs()).logits[:, -1]
+        for k, v in cache.memory().items():
+            peak[k] = max(peak.get(k, 0), v)
+        return logits
+
+    logits = forward(ids, positions)
+    preds = [logits.argmax(-1)]
+    table = torch.tensor(forced, device=device)  # (B, T)
+    detoks = [_Detok(tokenizer) for _ in prompts]
+    _sync(device)
+    t0 = time.perf_counter()
+    for j in range(steps):
+        tok = table[:, j]
+        cache.on_step(tok, [d.add(int(t)) for d, t in zip(detoks, tok.tolist())])
+        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
+        positions = positions[:, -1:] + 1
+        logits = forward(tok[:, None], positions)
+        preds.append(logits.argmax(-1))
+    _sync(device)
+    return torch.stack(preds, 1).cpu(), logits.float().cpu(), time.perf_counter() - t0, peak
+
+
+def _single_token_words(tokenizer, words: list[str]) -> dict[str, int]:
+    out = {}
+    for w in words:
+        ids = tokenizer(" " + w, add_special_tokens=False)["input_ids"]
+        if len(ids) == 1:
+            out[w] = ids[0]
+    return out
+
+
+def build_trials(tokenizer, n_trials: int, n_facts: int = 4, filler_tokens: int = 600, seed: int = 0) -> list[dict]:
+    """Trials of equal forced length: dicts with prompt ids, forced ids, candidate token ids, the answer's index."""
+    from kvzip.data import evaluation_prose
+
+    rng = random.Random(seed)
+    objects = _single_token_words(tokenizer, OBJECTS)
+    if len(objects) < n_facts or len(COLORS) < n_facts:
+        raise ValueError(f"n_facts={n_facts} needs that many single-token objects and colours")
+    paragraphs = [p for p in evaluation_prose().split("\n\n") if len(p) > 80]
+    raw = tokenizer.chat_template is None
+    prompt = encode(tokenizer, PROMPT, raw=raw)
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    trials = []
+    for _ in range(n_trials):
+        colors = rng.sample(COLORS, n_facts)
+        objs = rng.sample(sorted(objects), n_facts)
+        answer = rng.randrange(n_facts)
+        facts = "".join(f"Note {i + 1}: the {c} box holds the {o}.\n\n" for i, (c, o) in enumerate(zip(colors, objs)))
+        filler = []
+        while len(filler) < filler_tokens:
+            filler += enc(rng.choice(paragraphs) + "\n\n")
+        question = enc(f"\n\nBack to the boxes: the {colors[answer]} box holds the")
+        trials.append({"prompt": prompt, "head": enc(facts), "filler": filler, "question": question,
+                       "candidates": [objects[o] for o in objs], "answer": answer})
+    length = min(len(t["head"]) + len(t["question"]) for t in trials) + filler_tokens
+    for t in trials:  # cut each filler so that every trial has the same forced length
+        t["forced"] = t["head"] + t["filler"][: length - len(t["head"]) - len(t["question"])] + t["question"]
+    return trials
+
+
+def recall_probe(model, tokenizer, method, n_trials: int = 8, n_facts: int = 4, filler_tokens: int = 600,
+                 seed: int = 0, batch_size: int = 8, dictionaries=None) -> dict:
+    """Fraction of trials whose right object is the most likely candidate, feeding the trials through `method`'s cache.
+
+    Also: mean rank of the right object (0 = best), mean log-prob margin over the best wrong candidate, peak device and
+    host KV bytes per row, forced length, and decode seconds per fed token.
+    """
+    trials = build_trials(tokenizer, n_trials, n_facts, filler_tokens, seed)
+    hits, ranks, margins, device, host, seconds, steps = [], [], [], [], [], 0.0, 0
+    for start in range(0, n_trials, batch_size):
+        chunk = trials[start : start + batch_size]
+        cache = method.make_cache(model, dictionaries)
+        _, logits, secs, peak = forced_decode(model, tokenizer, cache, [t["prompt"] for t in chunk],
+                                              [t["forced"] for t in chunk])
+        seconds, steps = seconds + secs, steps + len(chunk[0]["forced"])
+        device.append(peak.get("on_device", 0) / len(chunk))
+        host.append(peak.get("host", 0) / len(chunk))
+        logprobs = logits.log_softmax(-1)
+        for row, t in enumerate(chunk):
+            scores = logprobs[row, t["candidates"]]  # (n_facts,)
+            right = scores[t["answer"]]
+            rank = int((scores > right).sum())
+            hits.append(rank == 0)
+            ranks.append(rank)
+            margins.append(float(right - scores[torch.arange(n_facts) != t["answer"]].max()))
+    n = len(hits)
+    return {
+        "recall_accuracy": round(sum(hits) / n, 4),
+        "mean_rank": round(sum(ranks) / n, 3),
+        "mean_margin": round(sum(margins) / n, 3),
+        "chance": round(1 / n_facts, 4),
+        "trials": n,
+        "forced_tokens": len(trials[0]["forced"]),
+        "prompt_tokens": len(trials[0]["prompt"]),
+        "device_bytes_per_row": int(sum(device) / len(device)),
+        "host_bytes_per_row": int(sum(host) / len(host)),
+        "seconds_per_token": round(seconds / max(steps, 1), 4),
+    }

@@ -1,0 +1,89 @@
+"""`h2o`: Heavy-Hitter Oracle (Zhang et al., NeurIPS 2023, arXiv:2306.14048): keep the tokens that received the most
+attention so far plus a recent window; evict the rest.
+
+Every forward computes attention explicitly to add each stored token's received attention (summed over query heads
+and the new queries) to its running score; the prefill scores the prompt with its own causal attention. After each
+forward a row keeps its `window` newest tokens and the `heavy` highest-scoring older ones. One token set per layer,
+shared by its KV heads (the paper selects per head; a shared set keeps the batch a dense (B, H, S, d) tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvzip.attention import gather_mask, gather_tokens
+from kvzip.methods.base import KVCache, Method, check_positive, model_layout, tensor_bytes
+from kvzip.methods.window import WindowLayer
+
+
+class H2OLayer(WindowLayer):
+    def __init__(self, heavy: int, window: int):
+        super().__init__(sinks=0, window=window)
+        self.heavy = heavy
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        self.score = torch.empty(self.batch, 0, device=key_states.device)  # (B, S) attention received
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        out = super().update(key_states, value_states)
+        self.score = torch.cat([self.score, self.score.new_zeros(self.batch, key_states.shape[2])], dim=1)
+        return out
+
+    def attend(self, module, query, key, value, mask, scaling):
+        q_len, s = query.shape[2], self.keys.shape[2]
+        if mask is not None:
+            m = gather_mask(mask, self.positions)  # (B, 1, q, S)
+        else:
+            m = torch.ones(q_len, s, dtype=torch.bool, device=query.device)
+            m[:, s - q_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        rep = query.shape[1] // self.kv_heads
+        k = self.keys.repeat_interleave(rep, dim=1)  # (B, Hq, S, d)
+        w = ((query @ k.transpose(-1, -2)) * scaling).masked_fill(~m, float("-inf")).softmax(-1)  # (B, Hq, q, S)
+        self.score += w.nan_to_num().sum((1, 2))
+        out = (w @ self.values.repeat_interleave(rep, dim=1)).transpose(1, 2).contiguous()  # (B, q, Hq, d)
+        self._evict(mask)
+        return out
+
+    def _evict(self, mask):
+        stored = self.keys.shape[2]
+        keep = self.heavy + self.window
+        if stored <= keep:
+            return
+        old = self.score[:, : stored - self.window].clone()  # (B, S - window) candidates for heavy hitters
+        if mask is not None:  # padding never counts as a heavy hitter
+            real = gather_mask(mask[:, :, -1:], self.positions[:, : stored - self.window])[:, 0, 0]
+            old = old.masked_fill(~real, float("-inf"))
+        heavy = old.topk(self.heavy, dim=-1).indices.sort(-1).values  # (B, heavy)
+        recent = torch.arange(stored - self.window, stored, device=heavy.device).expand(self.batch, self.window)
+        index = torch.cat([heavy, recent], dim=1)  # (B, keep)
+        self.keys, self.values = gather_tokens(self.keys, index), gather_tokens(self.values, index)
+        self.positions, self.score = self.positions.gather(1, index), self.score.gather(1, index)
+        self.evicted += stored - keep
+
+    def memory(self) -> dict[str, int]:
+        return {"device": tensor_bytes(self.keys, self.values, self.score)}
+
+
+class H2OCache(KVCache):
+    def stats(self) -> dict:
+        return {"evicted_tokens": self.layers[0].evicted if self.layers[0].is_initialized else 0}
+
+
+@dataclass
+class H2O(Method):
+    """H2O: heavy hitters by accumulated attention + recent window."""
+
+    name = "h2o"
+    summary = "H2O: heavy-hitter tokens by accumulated attention + a recent window, the rest evicted"
+    heavy: int = 256
+    window: int = 256
+
+    def __post_init__(self):
+        check_positive(heavy=self.heavy, window=self.window)
+
+    def make_cache(self, model, dictionaries=None) -> KVCache:
+        layers, _, _ = model_layout(model)
+        return H2OCache([H2OLayer(self.heavy, self.window) for _ in range(layers)], self)

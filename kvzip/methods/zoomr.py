@@ -1,0 +1,392 @@
+"""`zoomr`: ZoomR (Yang et al., ACL 2026): thoughts indexed by summaries, zoom-in to the few thoughts a query needs.
+
+Reasoning is cut into thoughts while decoding (`on_step` watches each row's text; a thought ends at a paragraph break
+by default). Each finished thought keeps a summary on the device: `r` representative tokens (`summary=pooled`,
+training-free) or the tokens the model wrote between summary markers (`summary=generated`). Its index key is the mean
+of its summary keys, per layer and KV head. Every thought's full K/V (the detail) goes off the device (`detail=host`:
+CPU memory, pinned with non-blocking copies on CUDA).
+
+Zoom-in, and why it is applied one step late: at a selection point every query head of every layer scores the index
+keys and votes for its top-`k` thoughts; the `c` most-voted thoughts (votes summed over heads and layers) are zoomed
+in. Layer L attends before layer L+1 has even computed its query, so the consensus can only exist after the whole
+forward. The votes are therefore cast during the forward of the token that ends a sentence/thought and the new
+selection is applied from the next forward on (the paper recomputes selection only at semantic boundaries, so the
+zoom set is constant in between anyway; `select=token` votes at every step, still one step late).
+
+Active context on the device, per row = prompt (its own segment, kept in full; it holds the attention sinks) + all
+summaries + the zoomed thoughts' full K/V + the recent tail (the last `window` tokens and the whole unfinished
+thought). Rows of a left-padded batch have their own thoughts; the device buffer is padded per row (position -1).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvzip.attention import gather_mask, leading_padding
+from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
+
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]?\s")
+
+
+def parse_boundary(spec: str) -> tuple[tuple[str, ...], frozenset[int]]:
+    """'\\n\\n|id:198' -> (strings, token ids): items split on '|', backslash escapes decoded, 'id:N' is a token id."""
+    strings, ids = [], set()
+    for item in spec.split("|"):
+        if item.startswith("id:") and item[3:].isdigit():
+            ids.add(int(item[3:]))
+        elif item:
+            strings.append(item.encode().decode("unicode_escape"))
+    if not strings and not ids:
+        raise ValueError(f"boundary={spec!r} names no string or token id")
+    return tuple(strings), frozenset(ids)
+
+
+class Row:
+    """One batch row's segmentation: prompt ranges, finished thoughts, the open thought, the zoom set."""
+
+    def __init__(self, pad: int, end: int):
+        self.keep = [(pad, end)]  # kept in full: the prompt (and any later multi-token input)
+        self.thoughts: list[tuple[int, int]] = []  # finished thoughts' detail ranges [start, end)
+        self.spans: list[tuple[int, int] | None] = []  # generated summary span of each thought (None: pooled)
+        self.cur = end  # first position of the open thought
+        self.text, self.char_pos = "", []  # open thought's text; (position, char end) per token
+        self.summary_start: int | None = None
+        self.zoom: list[int] = []
+        self.tail_from = end  # first tail position kept at the last rebuild
+
+
+class ZoomRLayer(KVLayer):
+    def __init__(self, cache: "ZoomRCache", idx: int):
+        super().__init__()
+        self.cache, self.idx, self.version = cache, idx, 0
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        self.keys = key_states[:, :, :0]  # (B, Hkv, S, d) active context
+        self.values = value_states[:, :, :0]
+        self.pos = torch.empty(self.batch, 0, dtype=torch.long, device=self.device)  # (B, S), -1 = empty slot
+        self.received = torch.empty(self.batch, 0, device=self.device)  # (B, S) attention received (pick=attention)
+        self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
+        self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key
+        self.detail = [[] for _ in range(self.batch)]  # per row, per thought: (K, V) each (Hkv, n, d) off-device
+        self.stacked = None  # (index keys (B, Hkv, T, d), valid (B, T)) built lazily
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        self.keys = torch.cat([self.keys, key_states], dim=2)
+        self.values = torch.cat([self.values, value_states], dim=2)
+        new = torch.arange(self.seen, self.seen + q, device=self.device).expand(self.batch, q)
+        self.pos = torch.cat([self.pos, new], dim=1)
+        self.received = torch.cat([self.received, self.received.new_zeros(self.batch, q)], dim=1)
+        self.seen += q
+        return self.keys, self.values
+
+    def attend(self, module, query, key, value, mask, scaling):
+        c = self.cache
+        if self.idx == 0:
+            c.begin_forward(mask, query.shape[2], self.batch, self.device)
+        t0 = time.perf_counter()
+        if self.version != c.version:
+            self._rebuild()
+        c.overhead_s += time.perf_counter() - t0
+        out = self._attention(query, mask, scaling)
+        t0 = time.perf_counter()
+        for b, t in c.finishing:
+            self._finalize(b, t)
+        if c.voting.any():
+            self._vote(query[:, :, -1])
+        c.overhead_s += time.perf_counter() - t0
+        return out
+
+    def _attention(self, query, mask, scaling):
+        """query (B, Hq, q, d) over the active buffer -> (B, q, Hq, d)."""
+        q_len, s = query.shape[2], self.keys.shape[2]
+        valid = (self.pos >= 0)[:, None, None, :]  # (B, 1, 1, S)
+        if mask is not None:
+            m = gather_mask(mask, self.pos.clamp(min=0)) & valid
+        else:
+            m = valid.expand(-1, 1, q_len, s).clone()
+            if q_len > 1:
+                m[..., s - q_len:] &= torch.ones(q_len, q_len, dtype=torch.bool, device=m.device).tril()
+        if not self.cache.method_pick_attention:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, self.keys, self.values, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != self.kv_heads)
+            return out.transpose(1, 2).contiguous()
+        rep = query.shape[1] // self.kv_heads
+        k = self.keys.repeat_interleave(rep, dim=1)  # (B, Hq, S, d)
+        w = ((query @ k.transpose(-1, -2)) * scaling).masked_fill(~m, float("-inf")).softmax(-1)  # (B, Hq, q, S)
+        self.received += w.sum((1, 2))
+        return (w @ self.values.repeat_interleave(rep, dim=1)).transpose(1, 2).contiguous()
+
+    def _row_index(self, b: int, start: int, end: int) -> torch.Tensor:
+        p = self.pos[b]
+        return ((p >= start) & (p < end)).nonzero().squeeze(-1)  # buffer slots of positions [start, end)
+
+    def _finalize(self, b: int, t: int):
+        """Thought t of row b just ended (all its tokens are in the tail): summary, index key, detail off-device."""
+        c, row = self.cache, self.cache.rows[b]
+        start, end = row.thoughts[t]
+        slots = self._row_index(b, start, end)
+        span = row.spans[t]
+        if span is not None:
+            keep = self._row_index(b, *span)
+        else:
+            r = min(c.method.r, slots.numel())
+            if c.method.pick == "even":
+                keep = slots[torch.linspace(0, slots.numel() - 1, r).round().long()]
+            else:
+                score = self.received[b, slots] if c.method.pick == "attention" else self.keys[b, :, slots].norm(dim=-1).sum(0)
+                keep = slots[score.topk(r).indices.sort().values]
+        self.summary_pos[b].append(self.pos[b, keep])
+        self.index[b].append(self.keys[b, :, keep].mean(1))  # (Hkv, d)
+        self.stacked = None
+        if c.keep_detail:
+            self.detail[b].append(tuple(c.offload(x[b, :, slots]) for x in (self.keys, self.values)))
+
+    def _vote(self, q):
+        """q (B, Hq, d): every head votes for its top-k thoughts; votes land in the cache's (B, T) tally."""
+        c = self.cache
+        if self.stacked is None:
+            n = max(len(ix) for ix in self.index)
+            if n == 0:
+                return
+            keys = q.new_zeros(self.batch, self.kv_heads, n, self.head_dim)
+            valid = torch.zeros(self.batch, n, dtype=torch.bool, device=q.device)
+            for b, ix in enumerate(self.index):
+                if ix:
+                    keys[b, :, : len(ix)] = torch.stack(ix, dim=1)
+                    valid[b, : len(ix)] = True
+            self.stacked = (keys, valid)
+        keys, valid = self.stacked  # (B, Hkv, T, d), (B, T)
+        k = keys.repeat_interleave(q.shape[1] // self.kv_heads, dim=1)  # (B, Hq, T, d)
+        scores = torch.einsum("bhd,bhtd->bht", q, k).masked_fill(~valid[:, None, :], float("-inf"))
+        top = scores.topk(min(c.method.k, keys.shape[2]), dim=-1).indices  # (B, Hq, k)
+        hits = valid.gather(1, top.flatten(1)) & c.voting[:, None]  # (B, Hq*k) only real thoughts, voting rows
+        c.tally(top.flatten(1), hits.float())
+
+    def _rebuild(self):
+        """Gather this layer's active context per row from the buffer, loading zoomed thoughts' detail back."""
+        c = self.cache
+        rows_k, rows_v, rows_p, rows_r = [], [], [], []
+        for b, row in enumerate(c.rows):
+            wanted = torch.zeros(self.seen, dtype=torch.bool, device=self.device)
+            for s, e in row.keep + [(c.tail_start[b], self.seen)]:
+                wanted[s:e] = True
+            for t, sp in enumerate(self.summary_pos[b]):
+                wanted[sp] = True
+            for t in row.zoom:
+                s, e = row.thoughts[t]
+                wanted[s:e] = True
+            p = self.pos[b]
+            slots = (p >= 0).nonzero().squeeze(-1)
+            slots = slots[wanted[p[slots]]]
+            ks, vs, ps, rs = [self.keys[b, :, slots]], [self.values[b, :, slots]], [p[slots]], [self.received[b, slots]]
+            missing = wanted.clone()
+            missing[p[p >= 0]] = False
+            for t in row.zoom:
+                s, e = row.thoughts[t]
+                need = missing[s:e].nonzero().squeeze(-1)
+                if need.numel():
+                    hk, hv = (x.to(self.device, non_blocking=True) for x in self.detail[b][t])
+                    ks.append(hk[:, need]), vs.append(hv[:, need]), ps.append(need + s)
+                    rs.append(torch.zeros(need.numel(), device=self.device))
+            pos = torch.cat(ps)
+            order = pos.argsort()
+            rows_k.append(torch.cat(ks, 1)[:, order]), rows_v.append(torch.cat(vs, 1)[:, order])
+            rows_p.append(pos[order]), rows_r.append(torch.cat(rs)[order])
+        width = max(p.numel() for p in rows_p)
+        self.keys = self.keys.new_zeros(self.batch, self.kv_heads, width, self.head_dim)
+        self.values = torch.zeros_like(self.keys)
+        self.pos = torch.full((self.batch, width), -1, dtype=torch.long, device=self.device)
+        self.received = torch.zeros(self.batch, width, device=self.device)
+        for b in range(self.batch):  # left-pad each row so the newest tokens line up at the end
+            n = rows_p[b].numel()
+            self.keys[b, :, width - n:], self.values[b, :, width - n:] = rows_k[b], rows_v[b]
+            self.pos[b, width - n:], self.received[b, width - n:] = rows_p[b], rows_r[b]
+        self.version = c.version
+
+    def memory(self) -> dict[str, int]:
+        device = tensor_bytes(self.keys, self.values, self.pos, self.received)
+        device += sum(tensor_bytes(*ix) for ix in self.index) + (tensor_bytes(*self.stacked) if self.stacked else 0)
+        host = sum(tensor_bytes(*kv) for d in self.detail for kv in d)
+        return {"device": device, "host": host}
+
+
+class ZoomRCache(KVCache):
+    """Cache-level state shared by the layers: segmentation (on_step), the vote tally, the zoom sets."""
+
+    def __init__(self, method: "ZoomR", layers: int, zoom: bool = True, keep_detail: bool = True):
+        self.zoom_enabled, self.keep_detail = zoom, keep_detail
+        self.method_pick_attention = method.pick == "attention"
+        self.strings, self.ids = parse_boundary(method.boundary)
+        self.rows: list[Row] = []
+        self.version, self.seen = 0, 0
+        self.finishing: list[tuple[int, int]] = []  # (row, thought) finalized during the current forward
+        self.next_finishing: list[tuple[int, int]] = []
+        self.voting = self.next_voting = self.votes = None
+        self.tail_start: list[int] = []
+        self.overhead_s, self.steps, self.selections, self.rebuilds = 0.0, 0, 0, 0
+        self.last_zoom: list[list[int]] = []
+        super().__init__([ZoomRLayer(self, i) for i in range(layers)], method)
+
+    def offload(self, x: torch.Tensor) -> torch.Tensor:
+        """A copy of x off the compute device: pinned CPU memory with a non-blocking copy on CUDA."""
+        if x.device.type != "cuda":
+            return x.clone()
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        return host.copy_(x, non_blocking=True)
+
+    def on_step(self, token_ids, texts):
+        """The token about to be fed (position self.seen) may end a thought and/or be a selection point."""
+        if not self.rows:
+            return
+        m, pos = self.method, self.seen
+        for b, row in enumerate(self.rows):
+            delta, tok = texts[b], int(token_ids[b])
+            before = row.text
+            row.text += delta
+            row.char_pos.append((pos, len(row.text)))
+            length = pos + 1 - row.cur
+            ends = False
+            if m.summary_mode == "generated" and row.summary_start is None and m.begin_marker in row.text:
+                at = row.text.index(m.begin_marker)
+                row.summary_start = next(p for p, ce in row.char_pos if ce > at)
+            if row.summary_start is not None:
+                ends = m.end_marker in row.text[row.text.index(m.begin_marker) + len(m.begin_marker):]
+                span = (row.summary_start, pos + 1) if ends else None
+                detail_end = row.summary_start
+            else:
+                tail = row.text[-(len(delta) + max(map(len, self.strings), default=1) - 1):] if delta else ""
+                ends = length >= m.min_thought and (tok in self.ids or any(s in tail for s in self.strings))
+                ends, span, detail_end = ends or length >= m.max_thought, None, pos + 1
+            if ends:
+                row.thoughts.append((row.cur, max(detail_end, row.cur + 1)))
+                row.spans.append(span)
+                self.next_finishing.append((b, len(row.thoughts) - 1))
+                row.cur, row.text, row.char_pos, row.summary_start = pos + 1, "", [], None
+            sentence = bool(_SENTENCE_END.search(before[-1:] + delta))
+            vote = m.select == "token" or ends or (m.select == "sentence" and sentence)
+            self.next_voting[b] = vote and self.zoom_enabled
+
+    def begin_forward(self, mask, q_len: int, batch: int, device):
+        """Layer 0, before attending: settle the previous forward's votes, plan a rebuild, start this forward."""
+        t0 = time.perf_counter()
+        past = self.seen
+        if not self.rows:
+            pad = leading_padding(mask, batch, device).tolist()
+            self.rows = [Row(p, q_len) for p in pad]
+            self.voting = torch.zeros(batch, dtype=torch.bool, device=device)
+            self.next_voting = torch.zeros_like(self.voting)
+            self.last_zoom = [[] for _ in range(batch)]
+        elif q_len > 1:  # more input (a chat turn): the open thought ends, the new tokens are kept in full
+            for b, row in enumerate(self.rows):
+                if row.cur < past:
+                    row.thoughts.append((row.cur, past)), row.spans.append(None)
+                    self.next_finishing.append((b, len(row.thoughts) - 1))
+                row.keep.append((past, past + q_len))
+                row.cur = past + q_len
+        changed = self._select()
+        self.seen = past + q_len
+        # The tail keeps the last `window` tokens, every unfinished thought, and everything not yet finalized.
+        need = []
+        for b, row in enumerate(self.rows):
+            opens = [row.thoughts[t][0] for rb, t in self.next_finishing if rb == b]
+            need.append(min([row.cur, max(self.seen - self.method.window, 0)] + opens))
+        if changed or any(n - r.tail_from >= max(self.method.window // 4, 1) for n, r in zip(need, self.rows)):
+            self.version += 1
+            self.rebuilds += 1
+            self.tail_start = need
+            for n, row in zip(need, self.rows):
+                row.tail_from = n
+        self.finishing, self.next_finishing = self.next_finishing, []
+        self.voting, self.next_voting = self.next_voting, torch.zeros_like(self.next_voting)
+        self.votes = None
+        self.steps += q_len == 1
+        self.overhead_s += time.perf_counter() - t0
+
+    def tally(self, choices: torch.Tensor, weights: torch.Tensor):
+        """choices (B, n) thought indices, weights (B, n): add the votes of one layer."""
+        n = max(len(r.thoughts) for r in self.rows)
+        if self.votes is None:
+            self.votes = torch.zeros(len(self.rows), n, device=choices.device)
+        self.votes.scatter_add_(1, choices, weights)
+
+    def _select(self) -> bool:
+        """Zoom set of every row that voted in the last forward: the c most-voted thoughts."""
+        if self.votes is None:
+            return False
+        changed = False
+        for b, row in enumerate(self.rows):
+            v = self.votes[b]
+            if v.sum() <= 0:
+                continue
+            top = v.topk(min(self.method.c, v.numel()))
+            zoom = sorted(int(i) for i, s in zip(top.indices, top.values) if s > 0)
+            self.selections += 1
+            self.last_zoom[b] = zoom
+            if zoom != row.zoom:
+                row.zoom, changed = zoom, True
+        return changed
+
+    def stats(self) -> dict:
+        mem = self.memory()
+        return {
+            "thoughts_indexed": [len(r.thoughts) for r in self.rows],
+            "zoomed_thoughts": self.last_zoom,
+            "selections": self.selections,
+            "rebuilds": self.rebuilds,
+            "device_bytes": mem["on_device"],
+            "host_bytes": mem["host"],
+            "selection_ms_per_token": round(1000 * self.overhead_s / max(self.steps, 1), 3),
+        }
+
+
+@dataclass
+class ZoomR(Method):
+    """ZoomR (Yang et al., ACL 2026): summaries as a coarse index, zoom-in to the full KV of the c most-voted thoughts."""
+
+    name = "zoomr"
+    summary = "thoughts indexed by summaries; zoom-in to the most-voted thoughts' full KV; detail off the device"
+    summary_mode: str = "pooled"
+    pick: str = "norm"
+    r: int = 4
+    k: int = 2
+    c: int = 2
+    window: int = 128
+    select: str = "sentence"
+    boundary: str = "\\n\\n"
+    min_thought: int = 8
+    max_thought: int = 256
+    begin_marker: str = "<|begin_of_summary|>"
+    end_marker: str = "<|end_of_summary|>"
+    detail: str = "host"
+
+    def __post_init__(self):
+        check_choice("summary_mode", self.summary_mode, ("pooled", "generated"))
+        check_choice("pick", self.pick, ("norm", "attention", "even"))
+        check_choice("select", self.select, ("sentence", "thought", "token"))
+        check_choice("detail", self.detail, ("host",))
+        check_positive(r=self.r, k=self.k, c=self.c, window=self.window, min_thought=self.min_thought)
+        if self.max_thought < self.min_thought:
+            raise ValueError(f"max_thought ({self.max_thought}) must be >= min_thought ({self.min_thought})")
+        if not self.begin_marker or not self.end_marker:
+            raise ValueError("begin_marker and end_marker must be non-empty")
+        parse_boundary(self.boundary)
+
+    @classmethod
+    def from_options(cls, opts: dict[str, str]) -> "Method":
+        """`--opt summary=...` is accepted for `summary_mode` (`summary` is the method's description)."""
+        opts = dict(opts)
+        if "summary" in opts:
+            opts["summary_mode"] = opts.pop("summary")
+        return super().from_options(opts)
+
+    def make_cache(self, model, dictionaries=None) -> KVCache:
+        layers, _, _ = model_layout(model)
+        return ZoomRCache(self, layers)
