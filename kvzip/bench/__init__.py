@@ -1,0 +1,18 @@
+"""kvzip bench: every method on the same model, the same workloads and the same run, against `full`.
+
+Library side of `kvzip bench` (the CLI renders tables and progress; nothing here prints):
+- `config`: `BenchConfig` (workload sizes, `quick_preset()`), `Setting` (one method with one set of options) and
+  `parse_settings` for `--methods`, `--opt method.key=value` and `--method-set "method:key=value,..."`.
+- `workloads`: ppl, reasoning, recall (calls `kvzip.bench.recall` when present) and speed, one record each.
+- `runner`: `run_bench(model, tokenizer, source, settings, cfg)` -> a JSON-ready dict, `full` first, skips with notes.
+- `report`: table rows, the best per column, the Pareto front of quality vs KV memory, the PNG plot.
+
+    from kvzip.bench import BenchConfig, parse_settings, run_bench
+    data = run_bench(model, tokenizer, source, parse_settings("full,window", None, None, list(METHODS)),
+                     BenchConfig.quick_preset())
+"""
+
+from kvzip.bench.config import WORKLOADS, BenchConfig, Setting, parse_settings
+from kvzip.bench.runner import run_bench
+
+__all__ = ["WORKLOADS", "BenchConfig", "Setting", "parse_settings", "run_bench"]

@@ -1,0 +1,133 @@
+"""What a bench run measures: the workload sizes (`BenchConfig`, with a `--quick` preset) and the method settings.
+
+A *setting* is one method with one set of options, under a label; a run compares settings, so one method can appear
+several times (`window`, `window:window=256`). Settings come from three places, parsed here:
+- `--methods a,b` names methods by their registry name (default: every registered method);
+- `--opt method.key=value` overrides an option of a method named in `--methods`;
+- `--method-set "method:key=value,key=value"` adds one more setting, labelled with that string.
+`full` is always measured first: every ratio and agreement is taken against it in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from kvzip.errors import UserError
+
+WORKLOADS = ("ppl", "reasoning", "recall", "speed")
+
+
+@dataclass
+class BenchConfig:
+    """Workload sizes. Defaults are the full run; `quick()` is the few-minute CPU version of every workload."""
+
+    workloads: tuple[str, ...] = WORKLOADS
+    ppl_contexts: tuple[int, ...] = (1024, 4096, 8192)  # total tokens per teacher-forced text
+    ppl_positions: int = 256  # scored positions at the end of each text, fed one token at a time
+    reasoning_prompts: int = 8  # GSM8K evaluation problems, greedy
+    reasoning_new_tokens: int = 256
+    recall_trials: int = 8
+    recall_facts: int = 4
+    recall_filler: int = 600  # tokens of prose between the facts and the question
+    speed_contexts: tuple[int, ...] = (1024, 4096, 8192)
+    speed_new_tokens: int = 64
+    repeats: int = 3  # speed measurements per context; the median is reported
+    seed: int = 0
+    quick: bool = False
+
+    def __post_init__(self):
+        for w in self.workloads:
+            if w not in WORKLOADS:
+                raise UserError(f"unknown workload '{w}'; use some of: {', '.join(WORKLOADS)}")
+        if not self.workloads:
+            raise UserError(f"--workloads is empty; use some of: {', '.join(WORKLOADS)}")
+        for name in ("ppl_positions", "reasoning_prompts", "reasoning_new_tokens", "recall_trials", "recall_facts",
+                     "speed_new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for ctx in self.ppl_contexts:
+            if ctx <= self.ppl_positions + 1:
+                raise UserError(f"ppl context {ctx} must exceed the {self.ppl_positions} scored positions + 1")
+        if any(c < 16 for c in self.speed_contexts):
+            raise UserError("speed contexts must be at least 16 tokens")
+
+    @classmethod
+    def quick_preset(cls, workloads: tuple[str, ...] = WORKLOADS) -> "BenchConfig":
+        """A small version of every workload: a few minutes for all methods on a loaded 2-core CPU."""
+        return cls(workloads=workloads, ppl_contexts=(640,), ppl_positions=96, reasoning_prompts=2,
+                   reasoning_new_tokens=32, recall_trials=2, recall_filler=160, speed_contexts=(1024,),
+                   speed_new_tokens=16, repeats=1, quick=True)
+
+    def capped(self, max_positions: int | None) -> "BenchConfig":
+        """Contexts capped to the model's window (speed keeps room for the new tokens)."""
+        if not max_positions:
+            return self
+        ppl = tuple(sorted({min(c, max_positions) for c in self.ppl_contexts}))
+        room = max_positions - self.speed_new_tokens - 1
+        speed = tuple(sorted({min(c, room) for c in self.speed_contexts}))
+        return dataclasses.replace(self, ppl_contexts=ppl, speed_contexts=speed)
+
+    def describe(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Setting:
+    """One method with one set of options under a label (the row of the table, the point of the plot)."""
+
+    label: str
+    name: str
+    opts: dict[str, str] = field(default_factory=dict)
+
+    def build(self):
+        from kvzip.methods import get_method
+
+        return get_method(self.name, self.opts)
+
+
+def parse_kv_list(text: str, where: str) -> dict[str, str]:
+    out = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"{where}: expected key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def parse_settings(methods: str | None, opts: list[str] | None, method_sets: list[str] | None,
+                   registered: list[str]) -> list[Setting]:
+    """The settings of a run, `full` first; UserError naming the allowed values for anything malformed."""
+    names = [m.strip() for m in methods.split(",") if m.strip()] if methods else list(registered)
+    for name in names:
+        if name not in registered:
+            raise UserError(f"unknown method '{name}' in --methods; use some of: {', '.join(registered)}")
+    per_method: dict[str, dict[str, str]] = {}
+    for item in opts or []:
+        target, sep, kv = item.partition(".")
+        if not sep or "=" not in kv:
+            raise UserError(f"--opt takes method.key=value (e.g. window.window=256), got {item!r}")
+        if target not in names:
+            raise UserError(f"--opt {item!r} names method '{target}', which is not among --methods ({', '.join(names)})")
+        per_method.setdefault(target, {}).update(parse_kv_list(kv, f"--opt {item!r}"))
+    settings = []
+    for name in names:
+        o = per_method.get(name, {})
+        label = name if not o else f"{name}:" + ",".join(f"{k}={v}" for k, v in o.items())
+        settings.append(Setting(label, name, o))
+    for spec in method_sets or []:
+        name, _, rest = spec.partition(":")
+        name = name.strip()
+        if name not in registered:
+            raise UserError(f"--method-set {spec!r}: unknown method '{name}'; use one of: {', '.join(registered)}")
+        o = parse_kv_list(rest, f"--method-set {spec!r}")
+        label = name if not o else f"{name}:" + ",".join(f"{k}={v}" for k, v in o.items())
+        settings.append(Setting(label, name, o))
+    labels = [s.label for s in settings]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"the same setting is listed twice: {', '.join(sorted({x for x in labels if labels.count(x) > 1}))}")
+    for s in settings:
+        s.build()  # validate every option before any model work
+    full = [s for s in settings if s.label == "full"]
+    return (full or [Setting("full", "full")]) + [s for s in settings if s.label != "full"]

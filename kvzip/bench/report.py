@@ -1,0 +1,118 @@
+"""Turn a bench result into what a reader compares: one row per setting, the best per column, the Pareto front, a plot.
+
+Pure data in, pure data out (the CLI renders the rows with rich); the plot is drawn with matplotlib's Agg backend so
+it works without a display. "Best" is among the settings other than `full`: full is the reference every quality
+column is measured against, so it would trivially win them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    workload: str
+    field: str
+    better: str  # "max" or "min"
+    fmt: str = "{:.3f}"
+
+
+COLUMNS = [
+    Column("kv_ratio", "KV/fp16", "ppl", "kv_ratio_vs_full_fp16", "min", "{:.3f}"),
+    Column("kv_peak", "KV peak", "ppl", "kv_bytes_peak", "min", "bytes"),
+    Column("top1", "top-1", "ppl", "top1_agreement", "max"),
+    Column("ppl", "ppl", "ppl", "ppl", "min", "{:.2f}"),
+    Column("kl", "KL", "ppl", "kl", "min", "{:.4f}"),
+    Column("greedy", "greedy agr", "reasoning", "greedy_agreement", "max"),
+    Column("gsm8k", "GSM8K acc", "reasoning", "gsm8k_accuracy", "max", "{:.2f}"),
+    Column("recall", "recall", "recall", "recall_accuracy", "max", "{:.2f}"),
+    Column("decode", "decode tok/s", "speed", "decode_tokens_per_s", "max", "{:.1f}"),
+    Column("speed_ratio", "speed/full", "speed", "speed_ratio_vs_full", "max", "{:.2f}"),
+    Column("ttft", "ttft s", "speed", "ttft_s", "min", "{:.2f}"),
+]
+
+# Where the memory columns come from when `ppl` was not run.
+MEMORY_FALLBACK = ("ppl", "reasoning", "speed", "recall")
+
+
+def summary_rows(data: dict) -> list[dict]:
+    """One dict per setting: label, then each column's value (None when that workload did not run)."""
+    by = {(r["label"], r["workload"]): r for r in data["results"]}
+    rows = []
+    for s in data["settings"]:
+        label = s["label"]
+        if not any(k[0] == label for k in by):
+            continue
+        row = {"label": label}
+        for c in COLUMNS:
+            source = c.workload
+            if c.key in ("kv_ratio", "kv_peak") and (label, source) not in by:
+                source = next((w for w in MEMORY_FALLBACK if (label, w) in by), source)
+            row[c.key] = by.get((label, source), {}).get(c.field)
+        rows.append(row)
+    return rows
+
+
+def best_marks(rows: list[dict], columns=COLUMNS, reference: str = "full") -> dict[str, set[str]]:
+    """column key -> labels holding the best value (ties all marked), among rows other than `reference`."""
+    marks = {}
+    for c in columns:
+        values = [(r["label"], r[c.key]) for r in rows if r["label"] != reference and r.get(c.key) is not None]
+        if not values:
+            continue
+        pick = max if c.better == "max" else min
+        best = pick(v for _, v in values)
+        marks[c.key] = {label for label, v in values if v == best}
+    return marks
+
+
+def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
+    """Labels of the points no other point beats: lower or equal memory (x) and higher or equal quality (y), one
+    strictly. Returned in increasing memory order."""
+    front = []
+    for label, x, y in points:
+        dominated = any(x2 <= x and y2 >= y and (x2 < x or y2 > y) for _, x2, y2 in points)
+        if not dominated:
+            front.append((x, -y, label))
+    return [label for _, _, label in sorted(front)]
+
+
+def quality_points(rows: list[dict]) -> list[tuple[str, float, float]]:
+    return [(r["label"], r["kv_ratio"], r["top1"]) for r in rows if r.get("kv_ratio") is not None and r.get("top1") is not None]
+
+
+def plot(data: dict, path, title: str | None = None) -> list[str]:
+    """Quality (top-1 agreement with full) vs KV memory (ratio to the fp16 full cache), Pareto front drawn.
+
+    Writes a PNG to `path` and returns the front's labels. Raises ValueError when there is nothing to plot.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = quality_points(summary_rows(data))
+    if not points:
+        raise ValueError("the plot needs the ppl workload (top-1 agreement and KV ratio)")
+    front = pareto_front(points)
+    fig, ax = plt.subplots(figsize=(7, 4.8), dpi=120)
+    for label, x, y in points:
+        on = label in front
+        ax.scatter([x], [y], s=46 if on else 30, color="tab:red" if on else "tab:blue", zorder=3)
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    fx = [next(p[1] for p in points if p[0] == label) for label in front]
+    fy = [next(p[2] for p in points if p[0] == label) for label in front]
+    ax.step(fx, fy, where="post", color="tab:red", alpha=0.6, label="Pareto front")
+    env = data.get("environment", {})
+    ax.set_xlabel("KV cache bytes (peak) / fp16 full cache")
+    ax.set_ylabel("teacher-forced top-1 agreement with full")
+    ax.set_title(title or f"kvzip bench · {env.get('model', '')} · {env.get('device', '')}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return front

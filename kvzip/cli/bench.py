@@ -1,0 +1,170 @@
+"""`kvzip bench`: every method (or chosen settings) on the same model and workloads in one run, against `full`.
+
+Thin: check the flags, load the model, call `kvzip.bench.run_bench` with a progress callback, then print the table
+(best value per column marked with *), the notes, and write `--json` (atomically) and `--plot`.
+
+    kvzip bench --quick                                    # every registered method, small workloads, minutes on CPU
+    kvzip bench --json bench.json --plot bench.png         # the full run (README results table)
+    kvzip bench --methods full,window --method-set "window:window=256" --method-set "window:window=1024,sinks=8"
+    kvzip bench --methods full,hf-int4 --opt hf-int4.residual_length=64 --workloads ppl,speed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvzip.cli import display
+from kvzip.cli.options import DictPath, Device, Dtype, Model, TrustRemoteCode
+from kvzip.errors import UserError
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values:
+        raise UserError(f"{flag} is empty")
+    return values
+
+
+def _config(quick: bool, workloads: str | None, contexts: str | None, prompts: int | None, new_tokens: int | None,
+            repeats: int | None):
+    from kvzip.bench import WORKLOADS, BenchConfig
+
+    chosen = tuple(w.strip() for w in workloads.split(",") if w.strip()) if workloads else WORKLOADS
+    cfg = BenchConfig.quick_preset(chosen) if quick else BenchConfig(workloads=chosen)
+    changes = {}
+    if contexts:
+        changes["ppl_contexts"] = changes["speed_contexts"] = _ints(contexts, "--contexts")
+    if prompts is not None:
+        changes["reasoning_prompts"] = prompts
+    if new_tokens is not None:
+        changes["reasoning_new_tokens"] = new_tokens
+    if repeats is not None:
+        changes["repeats"] = repeats
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def _cell(value, col, best: bool) -> str:
+    if value is None:
+        return "[dim]-[/dim]"
+    text = display.human_bytes(value) if col.fmt == "bytes" else col.fmt.format(value)
+    return f"[bold green]{text}*[/bold green]" if best else text
+
+
+def _table(data: dict):
+    from rich.table import Table
+
+    from kvzip.bench.report import COLUMNS, best_marks, summary_rows
+
+    rows = summary_rows(data)
+    shown = [c for c in COLUMNS if any(r.get(c.key) is not None for r in rows)]
+    marks = best_marks(rows, shown)
+    table = Table(title=f"kvzip bench · {data['environment']['model']} · {data['environment']['device']}"
+                        f"{' · quick' if data['config']['quick'] else ''}  (* best among methods other than full)")
+    table.add_column("method", style="bold")
+    for c in shown:
+        table.add_column(c.header, justify="right")
+    for r in rows:
+        table.add_row(r["label"], *(_cell(r[c.key], c, r["label"] in marks.get(c.key, ())) for c in shown))
+    return table
+
+
+def _save_plot(data: dict, path: Path) -> list[str]:
+    from kvzip.bench.report import plot
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        front = plot(data, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return front
+
+
+def bench(
+    quick: Annotated[bool, typer.Option("--quick", help="Small version of every workload (minutes on a CPU).")] = False,
+    methods: Annotated[Optional[str], typer.Option("--methods", help="Comma-separated methods (default: all registered; full always runs).")] = None,
+    opt: Annotated[Optional[list[str]], typer.Option("--opt", help="method.key=value for a method in --methods, repeatable.")] = None,
+    method_set: Annotated[Optional[list[str]], typer.Option("--method-set", help='One more setting, "method:key=value,key=value", repeatable.')] = None,
+    workloads: Annotated[Optional[str], typer.Option("--workloads", help="Comma-separated: ppl, reasoning, recall, speed (default: all).")] = None,
+    contexts: Annotated[Optional[str], typer.Option("--contexts", help="Context lengths for ppl and speed, e.g. 1024,4096.")] = None,
+    prompts: Annotated[Optional[int], typer.Option("--prompts", help="GSM8K problems for the reasoning workload.")] = None,
+    new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", help="Greedy tokens per reasoning problem.")] = None,
+    repeats: Annotated[Optional[int], typer.Option("--repeats", help="Speed measurements per context (median reported).")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the resolved config and every figure here (atomic).")] = None,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="PNG: top-1 agreement vs KV memory, Pareto front drawn.")] = None,
+    model: Model = "smollm2-135m",
+    dict_path: DictPath = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    trust_remote_code: TrustRemoteCode = False,
+):
+    """Benchmark every cache method against full: KV memory, speed, quality (ppl, agreement, GSM8K, recall)."""
+    from kvzip.bench import parse_settings, run_bench
+    from kvzip.methods import METHODS
+
+    settings = parse_settings(methods, opt, method_set, list(METHODS))
+    cfg = _config(quick, workloads, contexts, prompts, new_tokens, repeats)
+    if plot_path is not None:
+        if plot_path.suffix.lower() != ".png":
+            raise UserError(f"--plot writes a PNG: give a path ending in .png, got {plot_path}")
+        if "ppl" not in cfg.workloads:
+            raise UserError("--plot needs the ppl workload (top-1 agreement vs KV memory): add ppl to --workloads")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
+        if path is not None and path.is_dir():
+            raise UserError(f"{flag} {path} is a directory: give a file path")
+
+    from kvzip.models import load_model
+
+    lm, tokenizer, source = load_model(model, device, dtype, trust_remote_code)
+    bar = display.progress()
+    task = bar.add_task("bench", total=None)
+
+    def on_progress(done, total, description):
+        bar.update(task, completed=done, total=total, description=description)
+
+    with bar:
+        data = run_bench(lm, tokenizer, source, settings, cfg, dict_path, on_progress)
+    data["command"] = "kvzip bench " + " ".join(_argv())
+    display.out.print(_table(data))
+    for note in data["skipped"]:
+        display.console.print(f"[yellow]skipped[/yellow] {note['label']}{' ' + note['workload'] if 'workload' in note else ''}: {note['reason']}")
+    for fail in data["failed"]:
+        display.console.print(f"[red]failed[/red] {fail['label']} {fail['workload']}: {fail['error']}")
+    env = data["environment"]
+    display.console.print(f"{data['wall_s']:.0f} s on {env['device']} ({env['torch_threads']} threads, load average "
+                          f"{env['load_average_start'][0]} -> {env['load_average_end'][0]}); peak RSS "
+                          f"{display.human_bytes(data['process']['peak_rss_bytes'])}; speed ratios are against full in this run")
+    if json_path is not None:
+        from kvzip.cli.generate import write_atomic
+
+        write_atomic(json_path, json.dumps(data, indent=1) + "\n")
+        display.console.print(f"wrote {json_path}")
+    if plot_path is not None:
+        front = _save_plot(data, plot_path)
+        display.console.print(f"wrote {plot_path} (Pareto front: {', '.join(front)})")
+    if data["failed"]:
+        raise typer.Exit(1)
+
+
+def _argv() -> list[str]:
+    import sys
+
+    args = sys.argv[1:]
+    return args[1:] if args and args[0] == "bench" else args

@@ -1,0 +1,167 @@
+"""Fast tier: the bench library on the tiny model (every registered method), its settings parser, the Pareto front
+and the best-per-column marks; the `kvzip bench` user errors (exit 2, one line) without loading a model.
+
+The recall workload needs single-token object words, which the byte tokenizer has none of: it is exercised by the
+integration test on the real model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvzip.bench import BenchConfig, Setting, parse_settings, run_bench
+from kvzip.bench.report import COLUMNS, best_marks, pareto_front, plot, summary_rows
+from kvzip.bench.workloads import agreement, parse_answer
+from kvzip.errors import UserError
+from kvzip.methods import METHODS
+from kvzip.models import ModelSource
+from tests.test_engine import TINY_OPTS
+
+TINY = BenchConfig(workloads=("ppl", "reasoning", "speed"), ppl_contexts=(40, 64), ppl_positions=12,
+                   reasoning_prompts=1, reasoning_new_tokens=6, speed_contexts=(32,), speed_new_tokens=4, repeats=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny, tokenizer, tiny_dictionaries, tmp_path_factory):
+    path = tmp_path_factory.mktemp("dict") / "tiny.safetensors"
+    tiny_dictionaries.save(path)
+    settings = [Setting("full", "full")] + [Setting(n, n, TINY_OPTS.get(n, {})) for n in METHODS if n != "full"]
+    settings.append(Setting("window:window=4", "window", {"sinks": "1", "window": "4"}))
+    seen = []
+    data = run_bench(tiny, tokenizer, ModelSource("tiny", "", False), settings, TINY, dict_path=path,
+                     on_progress=lambda done, total, what: seen.append((done, total)))
+    return data, seen
+
+
+def test_every_method_runs_and_reports_the_issue_fields(tiny_run):
+    data, _ = tiny_run
+    assert not data["failed"], data["failed"]
+    labels = {r["label"] for r in data["results"]}
+    assert labels == {"full", "window:window=4", *METHODS} - {s["label"] for s in data["skipped"]}
+    common = ("method", "options", "kv_bytes_peak", "kv_bytes_device_peak", "kv_ratio_vs_full_fp16",
+              "decode_tokens_per_s", "speed_ratio_vs_full")
+    quality = {"ppl": ("ppl", "top1_agreement", "kl"), "reasoning": ("greedy_agreement", "gsm8k_accuracy"), "speed": ()}
+    for r in data["results"]:
+        for key in common + quality[r["workload"]]:
+            assert r.get(key) is not None, (r["label"], r["workload"], key)
+        assert r["kv_bytes_peak"] > 0 and r["process_peak_rss_bytes"] > 0
+    json.dumps(data)  # everything is JSON-serialisable
+
+
+def test_full_is_its_own_reference_and_compression_shows(tiny_run):
+    data, _ = tiny_run
+    by = {(r["label"], r["workload"]): r for r in data["results"]}
+    full = by["full", "ppl"]
+    assert full["top1_agreement"] == 1.0 and full["kl"] == 0.0
+    assert by["full", "reasoning"]["greedy_agreement"] == 1.0
+    assert by["full", "speed"]["speed_ratio_vs_full"] == 1.0
+    assert full["kv_ratio_vs_full_fp16"] == pytest.approx(2.0, abs=0.01)  # the tiny model is fp32
+    win = by["window:window=4", "ppl"]
+    assert win["kv_bytes_peak"] < full["kv_bytes_peak"] and win["top1_agreement"] < 1.0
+    assert [c["context"] for c in full["by_context"]] == [40, 64]
+    fp8 = by.get(("hf-fp8", "ppl"))
+    if fp8 is not None:  # fp8 codes are one byte per value: about a quarter of the fp32 cache
+        assert fp8["kv_bytes_peak"] == pytest.approx(full["kv_bytes_peak"] / 4, rel=0.05)
+
+
+def test_progress_counts_up_to_the_total(tiny_run):
+    _, seen = tiny_run
+    dones = [d for d, _ in seen]
+    assert dones == sorted(dones) and seen[-1][0] == seen[-1][1] > 0
+
+
+def test_table_marks_the_best_and_plot_draws_the_front(tiny_run, tmp_path):
+    data, _ = tiny_run
+    rows = summary_rows(data)
+    marks = best_marks(rows)
+    top1 = max(r["top1"] for r in rows if r["label"] != "full")
+    assert marks["top1"] == {r["label"] for r in rows if r["label"] != "full" and r["top1"] == top1}
+    assert "full" not in set().union(*marks.values())
+    front = plot(data, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG" and front
+
+
+def test_best_marks_directions_and_ties():
+    rows = [{"label": "full", "kv_ratio": 2.0, "top1": 1.0}, {"label": "a", "kv_ratio": 0.5, "top1": 0.9},
+            {"label": "b", "kv_ratio": 0.25, "top1": 0.9}, {"label": "c", "kv_ratio": None, "top1": 0.5}]
+    cols = [c for c in COLUMNS if c.key in ("kv_ratio", "top1")]
+    assert best_marks(rows, cols) == {"kv_ratio": {"b"}, "top1": {"a", "b"}}
+
+
+def test_pareto_front():
+    points = [("full", 2.0, 1.0), ("a", 0.5, 0.95), ("b", 0.5, 0.90), ("c", 0.25, 0.6), ("d", 1.0, 0.94)]
+    assert pareto_front(points) == ["c", "a", "full"]
+    assert pareto_front([("x", 1.0, 1.0), ("y", 1.0, 1.0)]) == ["x", "y"]
+
+
+def test_parse_settings():
+    names = list(METHODS)
+    s = parse_settings("window", ["window.window=64"], ["window:window=16,sinks=2"], names)
+    assert [x.label for x in s] == ["full", "window:window=64", "window:window=16,sinks=2"]
+    assert s[2].opts == {"window": "16", "sinks": "2"}
+    assert parse_settings(None, None, None, names)[0].label == "full" and len(parse_settings(None, None, None, names)) == len(names)
+    for args, match in [(("nope", None, None), "unknown method 'nope'"),
+                        (("window", ["full.x=1"], None), "not among --methods"),
+                        (("window", ["window=3"], None), "method.key=value"),
+                        (("window", None, ["window:size=3"]), "has no option 'size'"),
+                        (("window", None, ["window:window"]), "expected key=value"),
+                        (("window,window", None, None), "listed twice")]:
+        with pytest.raises(UserError, match=match):
+            parse_settings(*args, names)
+
+
+def test_config_validation():
+    with pytest.raises(UserError, match="unknown workload 'x'"):
+        BenchConfig(workloads=("x",))
+    with pytest.raises(UserError, match="must exceed"):
+        BenchConfig(ppl_contexts=(100,), ppl_positions=256)
+    capped = BenchConfig().capped(2048)
+    assert max(capped.ppl_contexts) == 2048 and max(capped.speed_contexts) == 2048 - 64 - 1
+
+
+def test_answer_parsing_and_agreement():
+    assert parse_answer("so 3 + 4 = 7\n#### 1,234") == "1234"
+    assert parse_answer("she pays 12 then 18.5 dollars.") == "18.5"
+    assert parse_answer("no numbers") is None
+    assert agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (0.75, 0.5)
+    assert agreement([1, 2, 3, 4], [1, 2]) == (0.5, 0.5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "nope"], "unknown method 'nope'"),
+    (["--workloads", "ppl,fast"], "unknown workload 'fast'"),
+    (["--plot", "out.jpg"], "ending in .png"),
+    (["--plot", "x.png", "--workloads", "speed"], "needs the ppl workload"),
+    (["--contexts", "a,b"], "comma-separated integers"),
+    (["--opt", "window=3"], "method.key=value"),
+])
+def test_cli_user_errors_are_one_line_exit_2(args, message, capsys, monkeypatch):
+    import sys
+
+    from kvzip.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["kvzip", "bench", *args])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and message.split("'")[0] in err and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_full_and_window_on_cuda_report_cuda_memory(tokenizer):
+    from kvzip import engine
+    from kvzip.methods import get_method
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama().to("cuda")
+    ids = tokenizer("hello cuda " * 8)["input_ids"]
+    for name, opts in (("full", {}), ("window", {"sinks": "2", "window": "8"})):
+        cache = get_method(name, opts).make_cache(model)
+        result = [e for e in engine.generate(model, tokenizer, [ids], cache, engine.Settings(max_new_tokens=12, ignore_eos=True))
+                  if isinstance(e, engine.Result)][0]
+        assert len(result.token_ids) == 12
+        assert result.stats["cuda_max_memory_allocated"] > 0 and result.stats["kv_bytes"] > 0
