@@ -123,6 +123,7 @@ class ChatSession:
             "context_limit": self.limit,
             "turns": len(self.turns),
             "kv_bytes": mem.get("total", 0),
+            "kv_bytes_device": mem.get("on_device", 0),
             "kv_bytes_by_tier": {k: mem.get(k, 0) for k in ("device", "codes", "dictionary", "host")},
             "kv_bytes_full": mem.get("full_same_dtype", 0),
             "kv_bytes_fp16_full": fp16,

@@ -110,6 +110,7 @@ def chat_stats_table(snap: dict):
     table.add_row("decode tok/s (recent / average)",
                   f"{snap['decode_tokens_per_s_recent']:.1f} / {snap['decode_tokens_per_s_average']:.1f}")
     table.add_row("KV bytes total", f"{snap['kv_bytes']:,} ({human_bytes(snap['kv_bytes'])})")
+    table.add_row("KV bytes on the device", f"{snap['kv_bytes_device']:,}")
     for tier, n in snap["kv_bytes_by_tier"].items():
         table.add_row(f"  {tier}", f"{n:,}")
     table.add_row("full cache, same dtype", f"{snap['kv_bytes_full']:,}")
