@@ -97,7 +97,8 @@ def generate(
     from kvzip.models import load_model
 
     settings = engine.Settings(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()), ignore_eos)
-    lm, tokenizer, source = load_model(model, device, dtype, trust_remote_code)
+    with display.console.status(f"loading {model} (the first load of a GGUF converts it once, ~30 s)"):
+        lm, tokenizer, source = load_model(model, device, dtype, trust_remote_code)
     dictionaries = dictionaries_for(cache_method, lm, source, dict_path)
     encoded = [engine.encode(tokenizer, item, raw, system) for item in items]
     for ids in encoded:
