@@ -151,7 +151,7 @@ def test_chat_loop_through_stdin(tiny, chat_tok, tiny_dictionaries, tmp_path, mo
         "error: unknown method 'nope'; use one of: " + ", ".join(METHODS),
         "error: usage: /save FILE",
     ]
-    assert "now on window" in err and "evicted_tokens" in out  # /stats table shows the method's stats
+    assert "switched: window" in err and "evicted_tokens" in out  # /stats table shows the method's stats
     assert err.count("prompt +") == 3  # one summary line per turn
     data = json.loads(saved.read_text())
     assert data["model"] == "tiny" and data["method"] == "window"

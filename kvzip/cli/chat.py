@@ -132,7 +132,7 @@ def _command(session, line: str, dictionaries_for: Callable, model_name: str) ->
         finally:
             bar.close()
         snap = session.snapshot()
-        display.console.print(f"now on {method.name}: {display.chat_compact(snap)}", markup=False, soft_wrap=True)
+        display.console.print(f"switched: {display.chat_compact(snap)}", markup=False, soft_wrap=True)
     elif name == "/save":
         if len(args) != 1:
             raise UserError("usage: /save FILE")

@@ -62,10 +62,13 @@ def _method_stats_text(stats: dict) -> str:
 
 
 def _ratio_text(snap: dict) -> str:
-    full, total = snap["kv_bytes_fp16_full"], snap["kv_bytes"]
-    if not full:
+    fp16, same, total = snap["kv_bytes_fp16_full"], snap["kv_bytes_full"], snap["kv_bytes"]
+    if not fp16:
         return "no tokens yet"
-    return f"{total / full:.1%} of fp16 full {human_bytes(full)}" + (f", {full / total:.1f}x smaller" if total else "")
+    text = f"{total / fp16:.1%} of fp16 full {human_bytes(fp16)}"
+    if same != fp16:
+        text += f", {total / same:.1%} of full in the model's dtype {human_bytes(same)}"
+    return text
 
 
 def chat_compact(snap: dict) -> str:
@@ -91,7 +94,7 @@ def chat_panel(snap: dict, compact: bool = False):
     tiers = " | ".join(f"{k} {human_bytes(v)}" for k, v in snap["kv_bytes_by_tier"].items())
     grid.add_row("decode", f"{snap['decode_tokens_per_s_recent']:.1f} tok/s now, "
                            f"{snap['decode_tokens_per_s_average']:.1f} tok/s average")
-    grid.add_row("context", f"{snap['context_tokens']} / {snap['context_limit']} tokens, {snap['turns']} turns")
+    grid.add_row("context", f"{snap['context_tokens']} / {snap['context_limit']} tokens, {snap['turns']} turns done")
     grid.add_row("KV cache", f"{human_bytes(snap['kv_bytes'])}: {tiers}")
     grid.add_row("vs full", _ratio_text(snap))
     grid.add_row("method", Text(_method_stats_text(snap["method_stats"])))
@@ -136,6 +139,7 @@ class ChatLive:
 
     def __enter__(self):
         if self.live is not None:
+            self.soft_wrap, out.soft_wrap = out.soft_wrap, False  # a soft-wrapping console crops the live region
             self.live.start()
         return self
 
@@ -167,6 +171,7 @@ class ChatLive:
             self.live.stop()
             if self.line:
                 out.print(self.line, markup=False)
+            out.soft_wrap = self.soft_wrap
         else:
             out.print()
         self.line = ""
