@@ -12,6 +12,9 @@ from kvzip.methods import METHODS, get_method
 # Small settings so that every method compresses within a few dozen tokens of the tiny model.
 TINY_OPTS = {
     "window": {"sinks": "2", "window": "8"},
+    "zoomr": {"window": "8", "r": "2", "min_thought": "4", "max_thought": "8"},
+    "sumr": {"window": "8", "r": "2", "min_thought": "4", "max_thought": "8"},
+    "h2o": {"heavy": "4", "window": "8"},
     "hf-int4": {"q_group_size": "16", "residual_length": "8"},
     "hf-int2": {"q_group_size": "16", "residual_length": "8"},
 }

@@ -2,8 +2,8 @@
 
 The reasoning is teacher-forced (fixed text fed token by token), so the small model's weak reasoning cannot hide what
 the cache lost. Each trial: a chat prompt, then an assistant "reasoning" of paragraphs: `n_facts` short facts
-("Note 2: the blue box holds the violin."), then held-out prose paragraphs (kvzip.data.evaluation_prose, GPQA
-explanations and GSM8K solutions) as filler, then a question paragraph ("Back to the boxes: the blue box holds the").
+("Note 2: the blue box holds the violin."); the question names the note and colour, then held-out prose paragraphs (kvzip.data.evaluation_prose, GPQA
+explanations and GSM8K solutions) as filler, then a question paragraph ("Back to note 2: the blue box holds the").
 The score is likelihood ranking: the trial counts as recalled when the right object is the most likely next token
 among the trial's candidate objects (all single tokens; chance is 1/n_facts).
 
@@ -105,7 +105,7 @@ def build_trials(tokenizer, n_trials: int, n_facts: int = 4, filler_tokens: int 
         filler = []
         while len(filler) < filler_tokens:
             filler += enc(rng.choice(paragraphs) + "\n\n")
-        question = enc(f"\n\nBack to the boxes: the {colors[answer]} box holds the")
+        question = enc(f"\n\nBack to note {answer + 1}: the {colors[answer]} box holds the")
         trials.append({"prompt": prompt, "head": enc(facts), "filler": filler, "question": question,
                        "candidates": [objects[o] for o in objs], "answer": answer})
     length = min(len(t["head"]) + len(t["question"]) for t in trials) + filler_tokens

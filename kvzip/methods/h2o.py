@@ -41,8 +41,9 @@ class H2OLayer(WindowLayer):
             m[:, s - q_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
         rep = query.shape[1] // self.kv_heads
         k = self.keys.repeat_interleave(rep, dim=1)  # (B, Hq, S, d)
-        w = ((query @ k.transpose(-1, -2)) * scaling).masked_fill(~m, float("-inf")).softmax(-1)  # (B, Hq, q, S)
-        self.score += w.nan_to_num().sum((1, 2))
+        w = ((query @ k.transpose(-1, -2)) * scaling).masked_fill(~m, float("-inf")).softmax(-1)
+        w = w.nan_to_num()  # (B, Hq, q, S); a padding query sees nothing: zeros, not NaN, for the next layer
+        self.score += w.sum((1, 2))
         out = (w @ self.values.repeat_interleave(rep, dim=1)).transpose(1, 2).contiguous()  # (B, q, Hq, d)
         self._evict(mask)
         return out

@@ -29,7 +29,7 @@ class SumR(Method):
     window: int = 128
     boundary: str = "\\n\\n"
     min_thought: int = 8
-    max_thought: int = 256
+    max_thought: int = 128
     begin_marker: str = "<|begin_of_summary|>"
     end_marker: str = "<|end_of_summary|>"
 

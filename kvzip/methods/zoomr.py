@@ -120,7 +120,7 @@ class ZoomRLayer(KVLayer):
             return out.transpose(1, 2).contiguous()
         rep = query.shape[1] // self.kv_heads
         k = self.keys.repeat_interleave(rep, dim=1)  # (B, Hq, S, d)
-        w = ((query @ k.transpose(-1, -2)) * scaling).masked_fill(~m, float("-inf")).softmax(-1)  # (B, Hq, q, S)
+        w = ((query @ k.transpose(-1, -2)) * scaling).masked_fill(~m, float("-inf")).softmax(-1).nan_to_num()  # (B, Hq, q, S)
         self.received += w.sum((1, 2))
         return (w @ self.values.repeat_interleave(rep, dim=1)).transpose(1, 2).contiguous()
 
@@ -362,7 +362,7 @@ class ZoomR(Method):
     select: str = "sentence"
     boundary: str = "\\n\\n"
     min_thought: int = 8
-    max_thought: int = 256
+    max_thought: int = 128
     begin_marker: str = "<|begin_of_summary|>"
     end_marker: str = "<|end_of_summary|>"
     detail: str = "host"

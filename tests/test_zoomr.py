@@ -1,0 +1,151 @@
+"""Fast tier for zoomr, sumr and h2o on the tiny random Llama: segmentation, index keys, votes, tiers, batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvzip import engine
+from kvzip.bench.recall import forced_decode
+from kvzip.errors import UserError
+from kvzip.methods import get_method
+from kvzip.methods.zoomr import ZoomRCache, parse_boundary
+
+SMALL = {"window": "8", "r": "2", "min_thought": "4", "max_thought": "64"}
+
+
+def feed(model, tok, method, prompt: str, text: str, **kw):
+    """Teacher-force `text` after `prompt` through a fresh cache of `method` (on_step runs per byte)."""
+    cache = method.make_cache(model)
+    preds, logits, _, peak = forced_decode(model, tok, cache, [tok(prompt)["input_ids"]], [tok(text)["input_ids"][1:]])
+    return cache, preds, logits, peak
+
+
+def test_paragraph_breaks_split_thoughts_and_the_prompt_is_kept(tiny, tokenizer):
+    text = "first thought here.\n\nsecond one, longer.\n\nx\n\nthird after a short one\n\ntail"
+    cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", SMALL), "prompt!", text)
+    row, plen = cache.rows[0], len(tokenizer("prompt!")["input_ids"])
+    assert row.keep == [(0, plen)]
+    # "\n\n" arrives as two byte tokens: a thought ends at the second; "x\n\n" is too short (min_thought 4) to end one.
+    ends = [e - plen for _, e in row.thoughts]
+    assert ends == [len("first thought here.\n\n"), len("first thought here.\n\nsecond one, longer.\n\n"),
+                    len("first thought here.\n\nsecond one, longer.\n\nx\n\nthird after a short one\n\n")]
+    assert row.cur == row.thoughts[-1][1]
+
+
+def test_max_thought_and_token_id_boundaries():
+    assert parse_boundary("\\n\\n|id:7") == (("\n\n",), frozenset({7}))
+    with pytest.raises(ValueError):
+        parse_boundary("|")
+
+
+def test_generated_summaries_use_the_marker_span(tiny, tokenizer):
+    opts = {**SMALL, "summary": "generated", "begin_marker": "<S>", "end_marker": "<E>"}
+    text = "a long thought without breaks<S>short sum<E>next"
+    cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", opts), "p", text)
+    row, plen = cache.rows[0], 1 + 1
+    s = plen + text.index("<S>")
+    assert row.thoughts == [(plen, s)] and row.spans == [(s, plen + text.index("<E>") + 3)]
+    layer = cache.layers[1]
+    assert layer.summary_pos[0][0].tolist() == list(range(*row.spans[0]))
+    # The index key is the mean of the summary keys; the summary tokens stay on the device.
+    assert torch.equal(layer.pos[0][torch.isin(layer.pos[0], layer.summary_pos[0][0])], layer.summary_pos[0][0])
+
+
+def test_index_key_is_mean_of_summary_keys_and_detail_is_on_host(tiny, tokenizer):
+    text = "one two three four.\n\nfive six seven eight.\n\nnine ten eleven twelve"
+    cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "c": "1"}), "hello", text)
+    full = get_method("full").make_cache(tiny)
+    ids = tokenizer("hello")["input_ids"] + tokenizer(text)["input_ids"][1:]
+    with torch.inference_mode():
+        tiny(input_ids=torch.tensor([ids]), cache=full, use_cache=True)
+    layer0, ref = cache.layers[0], full.layers[0].keys  # layer 0 keys depend only on token and position
+    row = cache.rows[0]
+    for t, (s, e) in enumerate(row.thoughts):
+        hk, hv = layer0.detail[0][t]
+        assert hk.device.type == "cpu" and hk.shape == (2, e - s, 16)
+        assert torch.allclose(hk, ref[0, :, s:e], atol=1e-5)
+        assert torch.allclose(layer0.index[0][t], ref[0, :, layer0.summary_pos[0][t]].mean(1), atol=1e-5)
+    detail = sum(2 * (e - s) * 2 * 16 * 4 for s, e in row.thoughts) * len(cache.layers)
+    assert cache.memory()["host"] == detail
+
+
+def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
+    cache = get_method("zoomr", {"k": "1", "c": "1"}).make_cache(tiny)
+    layer = cache.layers[0]
+    layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.nn.functional.normalize(torch.randn(2, 16, generator=g), dim=-1) for _ in range(5)]
+    layer.index[0] = keys
+    from kvzip.methods.zoomr import Row
+
+    cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
+    cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(5)]
+    cache.voting = torch.ones(1, dtype=torch.bool)
+    query = (10 * keys[3]).repeat_interleave(2, dim=0)[None]  # (1, Hq=4, 16): every head points at thought 3
+    layer._vote(query)
+    assert cache.votes.argmax().item() == 3 and cache.votes[0, 3] == 4  # 4 query heads, 1 vote each
+    assert cache._select() and cache.rows[0].zoom == [3]
+
+
+def test_zooming_in_on_every_thought_equals_full(tiny, tokenizer):
+    """With every thought zoomed in at every step, the active context is everything: logits match full."""
+    text = "alpha beta gamma.\n\ndelta epsilon zeta.\n\neta theta iota.\n\nkappa lambda mu nu xi"
+    opts = {**SMALL, "k": "50", "c": "50", "select": "token"}
+    cache, preds, logits, peak = feed(tiny, tokenizer, get_method("zoomr", opts), "start", text)
+    _, full_preds, full_logits, _ = feed(tiny, tokenizer, get_method("full"), "start", text)
+    assert len(cache.rows[0].thoughts) == 3 and cache.rebuilds > 0
+    assert torch.equal(preds, full_preds) and torch.allclose(logits, full_logits, atol=1e-4)
+
+
+def test_active_context_is_prompt_summaries_zoom_and_tail(tiny, tokenizer):
+    text = "".join(f"thought number {i} says hi.\n\n" for i in range(8)) + "end"
+    cache, _, _, peak = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "c": "1"}), "the prompt", text)
+    row = cache.rows[0]
+    for layer in cache.layers:
+        active = set(layer.pos[0].tolist())
+        expected = set(range(*row.keep[0])) | set(range(cache.tail_start[0], layer.seen))
+        expected |= {p for sp in layer.summary_pos[0] for p in sp.tolist()}
+        expected |= {p for t in row.zoom for p in range(*row.thoughts[t])}
+        # Between rebuilds the tail only grows: every expected token is active, nothing else but newer tail tokens.
+        assert expected <= active and all(p >= cache.tail_start[0] for p in active - expected)
+        assert len(active) < layer.seen
+    mem = cache.memory()
+    assert 0 < mem["on_device"] < mem["full_same_dtype"] and mem["host"] > 0
+    assert cache.stats()["thoughts_indexed"] == [8] and len(cache.stats()["zoomed_thoughts"][0]) == 1
+
+
+def test_sumr_keeps_no_detail_and_never_zooms(tiny, tokenizer):
+    text = "".join(f"thought number {i} says hi.\n\n" for i in range(6))
+    cache, _, _, _ = feed(tiny, tokenizer, get_method("sumr", SMALL), "p", text)
+    assert cache.memory()["host"] == 0 and cache.rows[0].zoom == [] and len(cache.rows[0].thoughts) == 6
+
+
+@pytest.mark.parametrize("name", ["zoomr", "sumr", "h2o", "zoomr-attention"])
+def test_left_padded_batch_matches_rows_one_by_one(tiny, tokenizer, name):
+    opts = {"h2o": {"heavy": "6", "window": "6"}, "zoomr-attention": {**SMALL, "pick": "attention"}}.get(name, SMALL)
+    method = get_method(name.split("-")[0], opts)
+    prompts = [tokenizer("a")["input_ids"], tokenizer("a much longer prompt here")["input_ids"]]
+    settings = engine.Settings(max_new_tokens=40, ignore_eos=True)
+    batched = [e for e in engine.generate(tiny, tokenizer, prompts, method.make_cache(tiny), settings)
+               if isinstance(e, engine.Result)]
+    for p, res in zip(prompts, batched):
+        single = [e for e in engine.generate(tiny, tokenizer, [p], method.make_cache(tiny), settings)
+                  if isinstance(e, engine.Result)]
+        assert res.token_ids == single[0].token_ids
+
+
+def test_h2o_keeps_heavy_hitters_and_window(tiny, tokenizer):
+    cache, _, _, _ = feed(tiny, tokenizer, get_method("h2o", {"heavy": "5", "window": "7"}), "prompt", "x" * 30)
+    layer = cache.layers[0]
+    assert layer.keys.shape[2] == 12 and layer.positions[0, -7:].tolist() == list(range(layer.seen - 7, layer.seen))
+
+
+def test_options_are_validated():
+    assert get_method("zoomr", {"summary": "generated"}).summary_mode == "generated"
+    with pytest.raises(UserError, match="pick='x' is not allowed"):
+        get_method("zoomr", {"pick": "x"})
+    with pytest.raises(UserError, match="max_thought"):
+        get_method("sumr", {"min_thought": "10", "max_thought": "5"})
+    with pytest.raises(UserError, match="has no option 'c'"):
+        get_method("sumr", {"c": "2"})
