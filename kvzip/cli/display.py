@@ -72,11 +72,13 @@ def _ratio_text(snap: dict) -> str:
 
 
 def chat_compact(snap: dict) -> str:
-    """The whole panel in one line, for narrow terminals (--compact) and per-turn summaries."""
+    """The whole panel in one line, for narrow terminals (--compact) and the /method switch notice."""
+    fp16 = snap["kv_bytes_fp16_full"]
+    ratio = f"{snap['kv_bytes'] / fp16:.1%} of fp16 full" if fp16 else "no tokens yet"
     return (
         f"{snap['method']} | ctx {snap['context_tokens']}/{snap['context_limit']} | "
         f"{snap['decode_tokens_per_s_recent']:.1f} tok/s (avg {snap['decode_tokens_per_s_average']:.1f}) | "
-        f"KV {human_bytes(snap['kv_bytes'])}, {_ratio_text(snap)} | {_method_stats_text(snap['method_stats'])}"
+        f"KV {human_bytes(snap['kv_bytes'])} = {ratio} | {_method_stats_text(snap['method_stats'])}"
     )
 
 
