@@ -81,7 +81,7 @@ def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
 
     cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
     cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(5)]
-    cache.voting = torch.ones(1, dtype=torch.bool)
+    cache.voting, cache.any_voting = torch.ones(1, dtype=torch.bool), True
     query = (10 * keys[3]).repeat_interleave(2, dim=0)[None]  # (1, Hq=4, 16): every head points at thought 3
     layer._vote(query)
     assert cache.votes.argmax().item() == 3 and cache.votes[0, 3] == 4  # 4 query heads, 1 vote each

@@ -115,19 +115,21 @@ def build_trials(tokenizer, n_trials: int, n_facts: int = 4, filler_tokens: int 
 
 
 def recall_probe(model, tokenizer, method, n_trials: int = 8, n_facts: int = 4, filler_tokens: int = 600,
-                 seed: int = 0, batch_size: int = 8, dictionaries=None) -> dict:
+                 seed: int = 0, batch_size: int = 8, dictionaries=None, return_predictions: bool = False) -> dict:
     """Fraction of trials whose right object is the most likely candidate, feeding the trials through `method`'s cache.
 
     Also: mean rank of the right object (0 = best), mean log-prob margin over the best wrong candidate, peak device and
-    host KV bytes per row, forced length, and decode seconds per fed token.
+    host KV bytes per row, forced length, and decode seconds per fed token. With `return_predictions`, also
+    "predictions": (n_trials, T+1) greedy next tokens at every fed position (for top-1 agreement against `full`).
     """
     trials = build_trials(tokenizer, n_trials, n_facts, filler_tokens, seed)
-    hits, ranks, margins, device, host, seconds, steps = [], [], [], [], [], 0.0, 0
+    hits, ranks, margins, device, host, seconds, steps, preds = [], [], [], [], [], 0.0, 0, []
     for start in range(0, n_trials, batch_size):
         chunk = trials[start : start + batch_size]
         cache = method.make_cache(model, dictionaries)
-        _, logits, secs, peak = forced_decode(model, tokenizer, cache, [t["prompt"] for t in chunk],
+        pred, logits, secs, peak = forced_decode(model, tokenizer, cache, [t["prompt"] for t in chunk],
                                               [t["forced"] for t in chunk])
+        preds.append(pred)
         seconds, steps = seconds + secs, steps + len(chunk[0]["forced"])
         device.append(peak.get("on_device", 0) / len(chunk))
         host.append(peak.get("host", 0) / len(chunk))
@@ -140,7 +142,8 @@ def recall_probe(model, tokenizer, method, n_trials: int = 8, n_facts: int = 4, 
             ranks.append(rank)
             margins.append(float(right - scores[torch.arange(n_facts) != t["answer"]].max()))
     n = len(hits)
-    return {
+    extra = {"predictions": torch.cat(preds)} if return_predictions else {}
+    return extra | {
         "recall_accuracy": round(sum(hits) / n, 4),
         "mean_rank": round(sum(ranks) / n, 3),
         "mean_margin": round(sum(margins) / n, 3),

@@ -74,6 +74,7 @@ class ZoomRLayer(KVLayer):
         self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key
         self.detail = [[] for _ in range(self.batch)]  # per row, per thought: (K, V) each (Hkv, n, d) off-device
         self.stacked = None  # (index keys (B, Hkv, T, d), valid (B, T)) built lazily
+        self.host_bytes = 0
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -99,7 +100,7 @@ class ZoomRLayer(KVLayer):
         t0 = time.perf_counter()
         for b, t in c.finishing:
             self._finalize(b, t)
-        if c.voting.any():
+        if c.any_voting:
             self._vote(query[:, :, -1])
         c.overhead_s += time.perf_counter() - t0
         return out
@@ -148,6 +149,7 @@ class ZoomRLayer(KVLayer):
         self.stacked = None
         if c.keep_detail:
             self.detail[b].append(tuple(c.offload(x[b, :, slots]) for x in (self.keys, self.values)))
+            self.host_bytes += tensor_bytes(*self.detail[b][-1])
 
     def _vote(self, q):
         """q (B, Hq, d): every head votes for its top-k thoughts; votes land in the cache's (B, T) tally."""
@@ -214,8 +216,7 @@ class ZoomRLayer(KVLayer):
     def memory(self) -> dict[str, int]:
         device = tensor_bytes(self.keys, self.values, self.pos, self.received)
         device += sum(tensor_bytes(*ix) for ix in self.index) + (tensor_bytes(*self.stacked) if self.stacked else 0)
-        host = sum(tensor_bytes(*kv) for d in self.detail for kv in d)
-        return {"device": device, "host": host}
+        return {"device": device, "host": self.host_bytes}
 
 
 class ZoomRCache(KVCache):
@@ -229,7 +230,8 @@ class ZoomRCache(KVCache):
         self.version, self.seen = 0, 0
         self.finishing: list[tuple[int, int]] = []  # (row, thought) finalized during the current forward
         self.next_finishing: list[tuple[int, int]] = []
-        self.voting = self.next_voting = self.votes = None
+        self.voting = self.next_voting = self.votes = None  # (B,) bool rows voting in this / the next forward
+        self.any_voting = self.next_any = False
         self.tail_start: list[int] = []
         self.overhead_s, self.steps, self.selections, self.rebuilds = 0.0, 0, 0, 0
         self.last_zoom: list[list[int]] = []
@@ -273,6 +275,7 @@ class ZoomRCache(KVCache):
             sentence = bool(_SENTENCE_END.search(before[-1:] + delta))
             vote = m.select == "token" or ends or (m.select == "sentence" and sentence)
             self.next_voting[b] = vote and self.zoom_enabled
+            self.next_any |= vote and self.zoom_enabled
 
     def begin_forward(self, mask, q_len: int, batch: int, device):
         """Layer 0, before attending: settle the previous forward's votes, plan a rebuild, start this forward."""
@@ -306,6 +309,8 @@ class ZoomRCache(KVCache):
                 row.tail_from = n
         self.finishing, self.next_finishing = self.next_finishing, []
         self.voting, self.next_voting = self.next_voting, torch.zeros_like(self.next_voting)
+        self.any_voting = self.next_any
+        self.next_any = False
         self.votes = None
         self.steps += q_len == 1
         self.overhead_s += time.perf_counter() - t0
