@@ -70,8 +70,11 @@ class KVDictionary:
     def fingerprint(self) -> dict:
         return json.loads(self.meta.get("fingerprint", "{}"))
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write atomically to path (safetensors + string metadata)."""
+    def save(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """Write atomically to path (safetensors + string metadata); `dtype` (e.g. fp16) stores the tensors smaller.
+
+        `load` upcasts every tensor to fp32, so a file stored in fp16 loads exactly as its rounded atoms.
+        """
         path = os.fspath(path)
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
@@ -80,7 +83,7 @@ class KVDictionary:
             tensors["key_mean"] = self.key_mean
         if self.key_scale is not None:
             tensors["key_scale"] = self.key_scale
-        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        tensors = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in tensors.items()}
         meta = {**self.meta, "format_version": FORMAT_VERSION, "atoms": str(self.num_atoms)}
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=folder)
         os.close(fd)
@@ -119,7 +122,7 @@ class KVDictionary:
             raise DictionaryError(f"{path} has dictionary format version {version or 'none'}, this kvzip reads "
                                   f"version {FORMAT_VERSION}; re-create it with `kvzip train-dict`")
         try:
-            tensors = {k: v.to(device) for k, v in tensors.items()}
+            tensors = {k: v.to(device, torch.float32) for k, v in tensors.items()}
             return cls(meta=meta, **tensors)
         except AssertionError as e:
             raise DictionaryError(f"{path} has inconsistent tensor shapes ({e}); "
