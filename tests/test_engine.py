@@ -15,6 +15,8 @@ TINY_OPTS = {
     "zoomr": {"window": "8", "r": "2", "min_thought": "4", "max_thought": "8"},
     "sumr": {"window": "8", "r": "2", "min_thought": "4", "max_thought": "8"},
     "h2o": {"heavy": "4", "window": "8"},
+    "fadkv": {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2", "tau": "0.3"},
+    "lexico": {"sparsity": "4", "buffer": "8", "chunk": "4", "sinks": "2"},
     "hf-int4": {"q_group_size": "16", "residual_length": "8"},
     "hf-int2": {"q_group_size": "16", "residual_length": "8"},
 }

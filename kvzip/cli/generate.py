@@ -116,7 +116,7 @@ def generate(
             cache = cache_method.make_cache(lm, dictionaries)
             for event in engine.generate(lm, tokenizer, chunk, cache, settings):
                 if isinstance(event, engine.Token) and streaming:
-                    display.out.print(event.text, end="")
+                    display.out.print(event.text, end="", markup=False)
                 elif isinstance(event, engine.Result):
                     item = items[start + event.row]
                     records.append({
@@ -147,7 +147,7 @@ def generate(
     elif output is None:
         for r in records:
             display.out.print(f"[bold]>>> {r['prompt'] if isinstance(r['prompt'], str) else r['prompt'][-1]['content']}[/bold]")
-            display.out.print(r["completion"])
+            display.out.print(r["completion"], markup=False)
             display.console.print(display.summary_line(r))
     if output is not None:
         write_atomic(output, "".join(json.dumps(r) + "\n" for r in records))

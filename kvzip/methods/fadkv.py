@@ -1,0 +1,383 @@
+"""`fadkv` and `lexico`: dictionary-coded KV caches with attention computed on the codes.
+
+FAD-KV (Zhu et al., 2026) and its predecessor Lexico (Kim et al., ICML 2025; arXiv:2412.08890). Per layer and KV head:
+- the first `sinks` tokens and the most recent `buffer` tokens stay dense (sinks draw outsized attention, so a
+  coding error there costs the most; the buffer absorbs tokens until a chunk of `chunk` can be coded at once);
+- older tokens are coded, post-RoPE, as `s` atom indices (int16) and coefficients (fp16, or 8 bits with a scale) over
+  the layer's key or value dictionary. The per-head key mean (stored in the dictionary file) is removed before coding
+  and added back as one q·mean term, so scores are those of the reconstructed keys;
+- attention over coded tokens never rebuilds them (kvzip/sparse/attention.py).
+FAD-KV's coder is screening (top-n candidates by |Dᵀx|, pursuit on the pool); Lexico's is OMP over all atoms.
+
+Fixed-size adaptation (FAD-KV): per sequence, a reference count per atom over live codes. When a coded vector's
+relative residual exceeds `tau`, its normalised residual becomes a new atom in place of an inactive one (count zero,
+least recently used) and the vector is re-coded. The shared dictionary is never written: a sequence's replaced atoms
+live in its own overlay (atom number -> vector), so batched rows cannot corrupt each other, and the dictionary size a
+sequence sees stays N. `adapt=append` grows the overlay past N instead (the ablation the paper argues against);
+`adapt=none` keeps the dictionary static.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvzip.attention import gather_mask
+from kvzip.errors import UserError
+from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
+from kvzip.sparse import attention as coded
+from kvzip.sparse.omp import gram_matrix, omp, reconstruct
+from kvzip.sparse.screen import screen
+
+ADAPT = ("fixed", "append", "none")
+CODERS = ("screen", "omp")
+
+
+class _Overlay:
+    """One sequence-batch's replaced or appended atoms for one dictionary: ids (B, R) (-1 = free), vectors (B, R, d)."""
+
+    def __init__(self, batch: int, dim: int, device):
+        self.ids = torch.full((batch, 0), -1, dtype=torch.long, device=device)
+        self.vectors = torch.zeros(batch, 0, dim, device=device)
+
+    def put(self, row: int, atom: int, vector: torch.Tensor) -> None:
+        hit = (self.ids[row] == atom).nonzero()
+        if len(hit) == 0:
+            hit = (self.ids[row] == -1).nonzero()
+        if len(hit) == 0:  # no free slot in this row: widen every row by one
+            self.ids = torch.cat([self.ids, self.ids.new_full((self.ids.shape[0], 1), -1)], 1)
+            self.vectors = torch.cat([self.vectors, self.vectors.new_zeros(self.ids.shape[0], 1, self.vectors.shape[-1])], 1)
+            slot = self.ids.shape[1] - 1
+        else:
+            slot = int(hit[0])
+        self.ids[row, slot] = atom
+        self.vectors[row, slot] = vector
+
+    def bytes(self) -> int:
+        used = int((self.ids >= 0).sum())
+        return used * (self.vectors.shape[-1] * self.vectors.element_size() + 8)
+
+
+class FadkvLayer(KVLayer):
+    def __init__(self, cfg: "Fadkv", d_k, d_v, g_k, g_v, key_mean):
+        super().__init__()
+        self.cfg = cfg
+        self.dicts = {"k": (d_k, g_k), "v": (d_v, g_v)}  # shared (N, d) atoms and (N, N) Gram, fp32
+        self.n_atoms = d_k.shape[0]
+        self.key_mean = key_mean  # (Hkv, d) or None
+        self.coded_vectors = 0
+        self.residual_sum = 0.0
+        self.replaced = 0
+        self.coding_s = 0.0
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        b, h, _, d = key_states.shape
+        dev = key_states.device
+        # Dense tier kept in half precision when the model runs fp32: it is a cache, not a compute buffer.
+        self.dense_dtype = torch.float16 if key_states.dtype == torch.float32 else key_states.dtype
+        self.keys = torch.zeros(b, h, 0, d, dtype=self.dense_dtype, device=dev)  # (B, H, S, d) sinks + buffer
+        self.values = torch.zeros_like(self.keys)
+        self.dense_pos = torch.zeros(b, 0, dtype=torch.long, device=dev)  # (B, S)
+        self.coded_pos = torch.zeros(b, 0, dtype=torch.long, device=dev)  # (B, T)
+        s = self.cfg.sparsity
+        idx_dtype = torch.int16 if self.n_atoms + 4096 < 32767 else torch.int32
+        self.codes = {}
+        for kind in "kv":
+            stored, scale = coded.quantize(torch.zeros(b, h, 0, s, device=dev), self.cfg.coef)
+            self.codes[kind] = [torch.zeros(b, h, 0, s, dtype=idx_dtype, device=dev), stored, scale]
+        self.overlay = {kind: _Overlay(b, d, dev) for kind in "kv"}
+        self.refcount = {kind: torch.zeros(b, self.n_atoms, dtype=torch.long, device=dev) for kind in "kv"}
+        self.last_used = {kind: torch.full((b, self.n_atoms), -1, dtype=torch.long, device=dev) for kind in "kv"}
+
+    # ---- cache protocol -------------------------------------------------------------------------------------
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        self.keys = torch.cat([self.keys, key_states.to(self.dense_dtype)], dim=2)
+        self.values = torch.cat([self.values, value_states.to(self.dense_dtype)], dim=2)
+        new = torch.arange(self.seen, self.seen + q, device=self.dense_pos.device).expand(self.batch, q)
+        self.dense_pos = torch.cat([self.dense_pos, new], dim=1)
+        self.seen += q
+        return key_states, value_states
+
+    def attend(self, module, query, key, value, mask, scaling):
+        out = self._attention(query, mask, scaling)
+        self._compress(prefill=query.shape[2] > 1)
+        return out
+
+    def memory(self) -> dict[str, int]:
+        codes = sum(tensor_bytes(*c) for c in self.codes.values())
+        overlay = sum(o.bytes() for o in self.overlay.values())
+        return {"device": tensor_bytes(self.keys, self.values), "codes": codes, "dictionary": overlay}
+
+    # ---- attention on codes ---------------------------------------------------------------------------------
+    def _atom_scores(self, kind: str, qg: torch.Tensor) -> torch.Tensor:
+        """qg (B, H, G, d) -> q·atom for every atom this sequence sees, plus a spare zero column (B, H, G, Ntot+1)."""
+        d_base, _ = self.dicts[kind]
+        ov = self.overlay[kind]
+        n_tot = self._n_total(kind)
+        qd = qg @ d_base.T  # (B, H, G, N)
+        pad = qd.new_zeros(*qd.shape[:-1], n_tot + 1 - self.n_atoms)
+        qd = torch.cat([qd, pad], -1)
+        if ov.ids.shape[1]:
+            ids = torch.where(ov.ids >= 0, ov.ids, n_tot)  # free slots write the spare column
+            q_ov = torch.einsum("bhgd,brd->bhgr", qg, ov.vectors)  # (B, H, G, R)
+            qd.scatter_(-1, ids[:, None, None, :].expand_as(q_ov), q_ov)
+            qd[..., n_tot] = 0
+        return qd
+
+    def _values_from_atoms(self, kind: str, w_atoms: torch.Tensor) -> torch.Tensor:
+        """w_atoms (B, H, G, Ntot+1) -> Σ weight·atom (B, H, G, d), overlay atoms replacing their base atoms."""
+        d_base, _ = self.dicts[kind]
+        ov = self.overlay[kind]
+        if ov.ids.shape[1] == 0:
+            return w_atoms[..., : self.n_atoms] @ d_base
+        ids = torch.where(ov.ids >= 0, ov.ids, self._n_total(kind))[:, None, None, :].expand(*w_atoms.shape[:-1], -1)
+        w_ov = w_atoms.gather(-1, ids)  # (B, H, G, R)
+        w_base = w_atoms.scatter(-1, ids, 0.0)
+        return w_base[..., : self.n_atoms] @ d_base + torch.einsum("bhgr,brd->bhgd", w_ov, ov.vectors)
+
+    def _attention(self, query, mask, scaling):
+        b, hq, q, d = query.shape
+        h = self.kv_heads
+        g = hq // h
+        qg = query.float().reshape(b, h, g * q, d)  # (B, H, g*q, d): query heads grouped under their KV head
+        dense_scores = qg @ self.keys.float().transpose(-1, -2)  # (B, H, gq, S)
+        t = self.coded_pos.shape[1]
+        if t:
+            k_idx, k_st, k_sc = self.codes["k"]
+            k_scores = coded.coded_scores(self._atom_scores("k", qg), k_idx.long(), coded.dequantize(k_st, k_sc))
+            if self.key_mean is not None:
+                k_scores = k_scores + qg @ self.key_mean[None, :, :, None].float()  # (B, H, gq, 1)
+            scores = torch.cat([k_scores, dense_scores], -1)
+            positions = torch.cat([self.coded_pos, self.dense_pos], 1)
+        else:
+            scores, positions = dense_scores, self.dense_pos
+        scores = scores * scaling  # (B, H, gq, T+S)
+        allowed = self._allowed(mask, positions, q, scores.shape[-1], query.device)
+        if allowed is not None:
+            allowed = allowed.expand(b, q, allowed.shape[-1]).view(b, 1, 1, q, -1).expand(b, h, g, q, allowed.shape[-1]).reshape(b, h, g * q, -1)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        w = torch.softmax(scores, dim=-1)
+        out = w[..., t:] @ self.values.float()  # (B, H, gq, d)
+        if t:
+            v_idx, v_st, v_sc = self.codes["v"]
+            w_atoms = coded.atom_weights(w[..., :t], v_idx.long(), coded.dequantize(v_st, v_sc), self._n_total("v") + 1)
+            out = out + self._values_from_atoms("v", w_atoms)
+        return out.view(b, h, g, q, d).reshape(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous()
+
+    @staticmethod
+    def _allowed(mask, positions, q, width, device):
+        """Boolean (B|1, q, width) of which stored tokens each query may see, or None when all may."""
+        if mask is not None:
+            m = gather_mask(mask, positions)[:, 0]  # (B, q, width)
+            return m if m.dtype == torch.bool else m == 0
+        if q == 1:
+            return None
+        allowed = torch.ones(q, width, dtype=torch.bool, device=device)
+        allowed[:, width - q :] = torch.ones(q, q, dtype=torch.bool, device=device).tril()
+        return allowed[None]
+
+    # ---- coding ---------------------------------------------------------------------------------------------
+    def _compress(self, prefill: bool) -> None:
+        sinks = min(self.cfg.sinks, self.seen)
+        codeable = self.keys.shape[2] - sinks - self.cfg.buffer
+        if codeable <= 0 or (not prefill and codeable < self.cfg.chunk):
+            return
+        m = codeable if prefill else codeable - codeable % self.cfg.chunk
+        sl = slice(sinks, sinks + m)
+        t0 = time.perf_counter()
+        k = self.keys[:, :, sl].float()  # (B, H, m, d)
+        if self.key_mean is not None:
+            k = k - self.key_mean[None, :, None, :]
+        for kind, x in (("k", k), ("v", self.values[:, :, sl].float())):
+            idx, coef = self._code(kind, x)
+            st, sc = coded.quantize(coef, self.cfg.coef)
+            old = self.codes[kind]
+            self.codes[kind] = [torch.cat([old[0], idx.to(old[0].dtype)], 2), torch.cat([old[1], st], 2),
+                                None if sc is None else torch.cat([old[2], sc], 2)]
+        self.coded_pos = torch.cat([self.coded_pos, self.dense_pos[:, sl]], 1)
+        keep = torch.cat([torch.arange(sinks), torch.arange(sinks + m, self.keys.shape[2])]).to(self.keys.device)
+        self.keys, self.values = self.keys.index_select(2, keep), self.values.index_select(2, keep)
+        self.dense_pos = self.dense_pos.index_select(1, keep)
+        self.coding_s += time.perf_counter() - t0
+
+    def _n_total(self, kind: str) -> int:
+        ov = self.overlay[kind]
+        return max(self.n_atoms, int(ov.ids.max()) + 1 if ov.ids.numel() else 0)
+
+    def _row_dictionary(self, kind: str, row: int):
+        """The (Ntot, d) atoms and Gram this row codes with: the shared ones, patched by the row's overlay."""
+        d_base, g_base = self.dicts[kind]
+        ov = self.overlay[kind]
+        live = ov.ids[row] >= 0
+        if not bool(live.any()):
+            return d_base, g_base
+        ids, vecs = ov.ids[row][live], ov.vectors[row][live]
+        n_tot = max(self.n_atoms, int(ids.max()) + 1)
+        atoms = torch.cat([d_base, d_base.new_zeros(n_tot - self.n_atoms, d_base.shape[1])])
+        atoms[ids] = vecs
+        gram = torch.zeros(n_tot, n_tot, device=g_base.device)
+        gram[: self.n_atoms, : self.n_atoms] = g_base
+        rows = atoms[ids] @ atoms.T  # (R, Ntot)
+        gram[ids] = rows
+        gram[:, ids] = rows.T
+        return atoms, gram
+
+    def _coder(self, x, atoms, gram):
+        s = self.cfg.sparsity
+        if self.cfg.coder == "omp":
+            return omp(x, atoms, s, gram=gram)
+        return screen(x, atoms, s, n=self.cfg.pool, gram=gram, shots=self.cfg.shots)
+
+    def _code(self, kind: str, x: torch.Tensor):
+        """x (B, H, m, d) fp32 -> idx (B, H, m, s), coef (B, H, m, s); adapts the row's dictionary when asked."""
+        b, h, m, d = x.shape
+        idx_rows, coef_rows = [], []
+        for row in range(b):
+            flat = x[row].reshape(h * m, d)
+            atoms, gram = self._row_dictionary(kind, row)
+            idx, coef = self._coder(flat, atoms, gram)
+            if self.cfg.adapt != "none":
+                idx, coef = self._adapt(kind, row, flat, atoms, idx, coef)
+                atoms, _ = self._row_dictionary(kind, row)
+            err = (flat - reconstruct(atoms, idx, coef)).norm(dim=-1) / flat.norm(dim=-1).clamp(min=1e-8)
+            self.residual_sum += float(err.sum())
+            self.coded_vectors += flat.shape[0]
+            self._count(kind, row, idx)
+            idx_rows.append(idx.view(h, m, -1))
+            coef_rows.append(coef.view(h, m, -1))
+        return torch.stack(idx_rows), torch.stack(coef_rows)
+
+    def _count(self, kind, row, idx):
+        n_tot = self._n_total(kind)
+        for table, fill in ((self.refcount, 0), (self.last_used, -1)):
+            if table[kind].shape[1] < n_tot:
+                grow = table[kind].new_full((self.batch, n_tot - table[kind].shape[1]), fill)
+                table[kind] = torch.cat([table[kind], grow], 1)
+        flat = idx.reshape(-1)
+        self.refcount[kind][row].scatter_add_(0, flat, torch.ones_like(flat))
+        self.last_used[kind][row, flat] = self.seen
+
+    def _adapt(self, kind, row, x, atoms, idx, coef):
+        """Turn the residuals of the worst-coded vectors into atoms (replacing inactive ones), then re-code them."""
+        res = x - reconstruct(atoms, idx, coef)  # (M, d)
+        err = res.norm(dim=-1) / x.norm(dim=-1).clamp(min=1e-8)
+        bad = (err > self.cfg.tau).nonzero().flatten()
+        if len(bad) == 0:
+            return idx, coef
+        bad = bad[err[bad].argsort(descending=True)][: self.cfg.max_new]
+        n_tot = self._n_total(kind)
+        counts = torch.zeros(n_tot, dtype=torch.long, device=x.device)
+        counts[: self.refcount[kind].shape[1]] += self.refcount[kind][row][:n_tot]
+        counts.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
+        last = torch.full((n_tot,), -1, dtype=torch.long, device=x.device)
+        last[: self.last_used[kind].shape[1]] = self.last_used[kind][row][:n_tot]
+        for i in bad.tolist():
+            if self.cfg.adapt == "fixed":
+                free = (counts == 0).nonzero().flatten()
+                if len(free) == 0:
+                    break
+                atom = int(free[last[free].argmin()])
+            else:
+                atom = self._n_total(kind)
+                counts = torch.cat([counts, counts.new_zeros(1)])
+                last = torch.cat([last, last.new_full((1,), -1)])
+            self.overlay[kind].put(row, atom, res[i] / res[i].norm().clamp(min=1e-8))
+            counts[atom] = 1  # reserved: the next bad vector must not take it
+            self.replaced += 1
+        atoms, gram = self._row_dictionary(kind, row)
+        new_idx, new_coef = self._coder(x[bad], atoms, gram)
+        idx, coef = idx.clone(), coef.clone()
+        idx[bad], coef[bad] = new_idx, new_coef
+        return idx, coef
+
+
+class FadkvCache(KVCache):
+    def stats(self) -> dict:
+        layers = [lay for lay in self.layers if lay.is_initialized]
+        if not layers:
+            return {}
+        coded_vecs = sum(lay.coded_vectors for lay in layers)
+        coded_tokens = layers[0].coded_pos.shape[1]
+        active = sum(int((lay.refcount[k] > 0).sum()) for lay in layers for k in "kv")
+        return {
+            "tokens_coded": coded_tokens,
+            "mean_residual": round(sum(lay.residual_sum for lay in layers) / coded_vecs, 4) if coded_vecs else 0.0,
+            "atoms_replaced": sum(lay.replaced for lay in layers),
+            "atoms_active": round(active / (2 * len(layers) * layers[0].batch), 1),
+            "coding_ms_per_token": round(1000 * sum(lay.coding_s for lay in layers) / max(coded_tokens * layers[0].batch, 1), 3),
+            "dictionary_shared_bytes": self.method.shared_bytes,
+        }
+
+
+@dataclass
+class Fadkv(Method):
+    """FAD-KV (Zhu et al., 2026): screening coder, fixed-size adaptive dictionary, attention on the codes."""
+
+    name = "fadkv"
+    summary = "FAD-KV: dictionary-coded K/V (screening coder, fixed-size adaptive dictionary), attention on codes"
+    needs_dictionary = True
+    sparsity: int = 8
+    coef: str = "fp8"
+    coder: str = "screen"
+    pool: int = 16
+    shots: int = 2
+    adapt: str = "fixed"
+    tau: float = 0.5
+    max_new: int = 4
+    buffer: int = 128
+    chunk: int = 32
+    sinks: int = 4
+
+    def __post_init__(self):
+        check_choice("coef", self.coef, coded.COEF_FORMATS)
+        check_choice("coder", self.coder, CODERS)
+        check_choice("adapt", self.adapt, ADAPT)
+        check_choice("shots", self.shots, (1, 2))
+        check_positive(sparsity=self.sparsity, pool=self.pool, chunk=self.chunk, max_new=self.max_new, tau=self.tau)
+        if self.buffer < 0 or self.sinks < 0:
+            raise ValueError("buffer and sinks must be >= 0")
+        self.shared_bytes = 0
+
+    def make_cache(self, model, dictionaries=None) -> KVCache:
+        if dictionaries is None:
+            raise UserError(f"method '{self.name}' needs a dictionary: train one with `kvzip train-dict`")
+        if dictionaries.meta.get("keys", "post-rope") != "post-rope":
+            raise UserError(f"method '{self.name}' codes keys after RoPE; this dictionary was trained on "
+                            f"{dictionaries.meta.get('keys')} keys: train one with `kvzip train-dict --keys post-rope`")
+        layers, kv_heads, head_dim = model_layout(model)
+        if self.sparsity > dictionaries.keys.shape[1]:
+            raise UserError(f"sparsity {self.sparsity} exceeds the dictionary's {dictionaries.keys.shape[1]} atoms")
+        prepared = _prepare(dictionaries, model.device)
+        self.shared_bytes = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
+        return FadkvCache([FadkvLayer(self, *prepared[i]) for i in range(layers)], self)
+
+
+@dataclass
+class Lexico(Fadkv):
+    """Lexico (Kim et al., ICML 2025): OMP over the whole dictionary, static dictionary."""
+
+    name = "lexico"
+    summary = "Lexico: dictionary-coded K/V with OMP and a static dictionary (the FAD-KV baseline)"
+    coder: str = "omp"
+    adapt: str = "none"
+
+
+def _prepare(dictionaries, device):
+    """Per layer: fp32 atoms and Gram matrices on the device, computed once per dictionary object."""
+    key = str(device)
+    cache = dictionaries.__dict__.setdefault("_prepared", {})
+    if key not in cache:
+        out = []
+        for i in range(dictionaries.keys.shape[0]):
+            d_k = dictionaries.keys[i].float().to(device)
+            d_v = dictionaries.values[i].float().to(device)
+            mean = None if dictionaries.key_mean is None else dictionaries.key_mean[i].float().to(device)
+            out.append((d_k, d_v, gram_matrix(d_k), gram_matrix(d_v), mean))
+        cache[key] = out
+    return cache[key]

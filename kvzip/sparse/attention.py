@@ -1,0 +1,70 @@
+"""Attention computed directly on dictionary codes, and the coefficient storage formats.
+
+A coded token t of one KV head is `idx[t]` (s atom numbers) and `coef[t]` (s coefficients): k_t ≈ Σ_j coef[t,j] D[idx[t,j]].
+- Scores: q·k_t = Σ_j coef[t,j] (q·D)[idx[t,j]]. q·D is computed once per query (N dot products), then gathered by
+  code: O(N·d + T·s) per query head instead of O(T·d), and no key is ever rebuilt.
+- Values: Σ_t w_t v_t = Σ_t w_t Σ_j coef[t,j] D[idx[t,j]] = (Σ over atoms of the weight each atom received) · D.
+  Weights are scattered onto atoms (T·s adds) and multiplied by the value dictionary once (N·d).
+`dense_reference` rebuilds every vector and runs plain attention: it exists only so tests can check the two agree.
+
+Coefficients are stored as fp16, or in 8 bits with one fp16 scale per vector (int8: absmax/127; fp8: e4m3, absmax/448).
+"""
+
+from __future__ import annotations
+
+import torch
+
+COEF_FORMATS = ("fp16", "int8", "fp8")
+
+
+def quantize(coef: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """coef (..., s) float -> (stored (..., s), scale (..., 1) fp16 or None)."""
+    if fmt == "fp16":
+        return coef.half(), None
+    amax = coef.abs().amax(-1, keepdim=True).float().clamp(min=1e-8)  # (..., 1)
+    if fmt == "int8":
+        scale = (amax / 127).half()
+        return (coef.float() / scale.float()).round().clamp(-127, 127).to(torch.int8), scale
+    if fmt == "fp8":
+        scale = (amax / 448).half()
+        return (coef.float() / scale.float()).to(torch.float8_e4m3fn), scale
+    raise ValueError(f"coefficient format {fmt!r} is not one of {', '.join(COEF_FORMATS)}")
+
+
+def dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
+    out = stored.to(dtype)
+    return out if scale is None else out * scale.to(dtype)
+
+
+def coded_scores(qd: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """Scores of grouped queries against coded keys.
+
+    qd (B, H, G, N): each of G query rows (query heads of the KV head x query positions) dotted with every atom.
+    idx (B, H, T, s) long, coef (B, H, T, s) float. Returns (B, H, G, T).
+    """
+    b, h, g, _ = qd.shape
+    t, s = idx.shape[2], idx.shape[3]
+    picked = qd.gather(-1, idx.reshape(b, h, 1, t * s).expand(b, h, g, t * s))  # (B, H, G, T*s)
+    return (picked.view(b, h, g, t, s) * coef[:, :, None]).sum(-1)  # (B, H, G, T)
+
+
+def atom_weights(w: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor, n_atoms: int) -> torch.Tensor:
+    """Attention weights w (B, H, G, T) over coded values -> weight received by each atom (B, H, G, N)."""
+    b, h, g, t = w.shape
+    s = idx.shape[3]
+    src = (w[..., None] * coef[:, :, None]).reshape(b, h, g, t * s)  # (B, H, G, T*s)
+    out = w.new_zeros(b, h, g, n_atoms)
+    return out.scatter_add_(-1, idx.reshape(b, h, 1, t * s).expand(b, h, g, t * s), src)
+
+
+def dense_reference(query, d_k, d_v, k_idx, k_coef, v_idx, v_coef, scaling, k_offset=None):
+    """Test-only: rebuild coded keys/values densely and attend. query (B, H, G, d), dictionaries (N, d).
+
+    k_offset (B, H, 1, d) is added to every rebuilt key (the key mean removed before coding). Returns (B, H, G, d).
+    """
+    keys = torch.einsum("bhts,bhtsd->bhtd", k_coef, d_k[k_idx])  # (B, H, T, d)
+    if k_offset is not None:
+        keys = keys + k_offset
+    values = torch.einsum("bhts,bhtsd->bhtd", v_coef, d_v[v_idx])
+    w = torch.softmax((query @ keys.transpose(-1, -2)) * scaling, dim=-1)  # (B, H, G, T)
+    return w @ values

@@ -1,0 +1,142 @@
+"""Fast tier for fadkv / lexico: attention on codes equals the dense reference, adaptation keeps the size fixed and
+codes valid, batched rows keep separate dictionaries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvzip import engine
+from kvzip.methods import get_method
+from kvzip.methods.fadkv import FadkvLayer, _prepare
+from kvzip.sparse.omp import reconstruct
+
+SMALL = {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2"}
+
+
+def make_layer(tiny_dictionaries, batch=1, heads=2, **opts):
+    method = get_method("fadkv", {**SMALL, **opts})
+    d_k, d_v, g_k, g_v, _ = _prepare(tiny_dictionaries, "cpu")[0]
+    mean = torch.randn(heads, d_k.shape[1], generator=torch.Generator().manual_seed(0)) * 0.3
+    return method, FadkvLayer(method, d_k, d_v, g_k, g_v, mean)
+
+
+def feed(layer, steps, batch=1, heads=2, dim=16, q_heads=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = None
+    for _ in range(steps):
+        k, v = torch.randn(batch, heads, 1, dim, generator=g), torch.randn(batch, heads, 1, dim, generator=g)
+        layer.update(k, v)
+        out = layer.attend(None, torch.randn(batch, q_heads, 1, dim, generator=g), None, None, None, 0.25)
+    return out
+
+
+def row_atoms(layer, kind, row):
+    atoms, _ = layer._row_dictionary(kind, row)
+    return atoms
+
+
+def dense_keys_values(layer, row):
+    """Rebuild every stored token of a row densely (coded ones from their codes), in stored order."""
+    rebuilt = {}
+    for kind in "kv":
+        idx, st, sc = layer.codes[kind]
+        coef = st.float() if sc is None else st.float() * sc.float()
+        h, t, s = idx.shape[1:]
+        vec = reconstruct(row_atoms(layer, kind, row), idx[row].long().reshape(-1, s), coef[row].reshape(-1, s))
+        rebuilt[kind] = vec.view(h, t, -1)
+    keys = torch.cat([rebuilt["k"] + layer.key_mean[:, None], layer.keys[row].float()], 1)
+    values = torch.cat([rebuilt["v"], layer.values[row].float()], 1)
+    return keys, values  # (H, T+S, d)
+
+
+@pytest.mark.parametrize("adapt", ["none", "fixed", "append"])
+def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt):
+    _, layer = make_layer(tiny_dictionaries, adapt=adapt, tau="0.2")
+    feed(layer, 60)
+    assert layer.coded_pos.shape[1] > 40
+    if adapt != "none":
+        assert layer.replaced > 0
+    query = torch.randn(1, 4, 1, 16)
+    got = layer._attention(query, None, 0.25)  # (1, 1, 4, 16)
+    keys, values = dense_keys_values(layer, 0)
+    keys, values = keys.repeat_interleave(2, 0), values.repeat_interleave(2, 0)  # GQA: 2 query heads per KV head
+    w = torch.softmax(query[0] @ keys.transpose(-1, -2) * 0.25, -1)
+    expected = (w @ values).transpose(0, 1)[None]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fixed_adaptation_never_grows_and_keeps_old_codes_valid(tiny_dictionaries):
+    from kvzip.sparse.dictionary import KVDictionary
+
+    # 256 atoms, so inactive atoms remain to be replaced long after the first tokens were coded.
+    g = torch.Generator().manual_seed(1)
+    atoms = lambda: torch.nn.functional.normalize(torch.randn(2, 256, 16, generator=g), dim=-1)  # noqa: E731
+    big = KVDictionary(keys=atoms(), values=atoms(), meta=tiny_dictionaries.meta)
+    _, layer = make_layer(big, adapt="fixed", tau="0.2")
+    feed(layer, 24)
+    n = layer.n_atoms
+    before_keys, _ = dense_keys_values(layer, 0)
+    first = layer.coded_pos.shape[1]
+    replaced = layer.replaced
+    feed(layer, 200, seed=1)
+    assert layer.replaced > replaced
+    assert layer._n_total("k") == n and layer._n_total("v") == n
+    assert int(layer.overlay["k"].ids.max()) < n
+    after_keys, _ = dense_keys_values(layer, 0)
+    # Tokens coded before later replacements still decode to the same vectors: referenced atoms are never overwritten.
+    torch.testing.assert_close(after_keys[:, :first], before_keys[:, :first])
+
+
+def test_append_grows_and_none_stays_static(tiny_dictionaries):
+    _, grow = make_layer(tiny_dictionaries, adapt="append", tau="0.2")
+    feed(grow, 60)
+    assert grow._n_total("k") > grow.n_atoms
+    _, static = make_layer(tiny_dictionaries, adapt="none")
+    feed(static, 60)
+    assert static.replaced == 0 and static.overlay["k"].ids.numel() == 0
+
+
+def test_batched_rows_keep_their_own_dictionaries(tiny_dictionaries):
+    g = torch.Generator().manual_seed(3)
+    steps = [(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 4, 1, 16, generator=g))
+             for _ in range(50)]
+    _, both = make_layer(tiny_dictionaries, adapt="fixed", tau="0.2")
+    singles = [make_layer(tiny_dictionaries, adapt="fixed", tau="0.2")[1] for _ in range(2)]
+    for k, v, q in steps:
+        both.update(k, v)
+        out = both.attend(None, q, None, None, None, 0.25)
+        for row, layer in enumerate(singles):
+            layer.update(k[row:row + 1], v[row:row + 1])
+            one = layer.attend(None, q[row:row + 1], None, None, None, 0.25)
+            torch.testing.assert_close(out[row:row + 1], one, rtol=1e-5, atol=1e-5)
+    for row, layer in enumerate(singles):
+        assert torch.equal(both.codes["k"][0][row], layer.codes["k"][0][0])
+
+
+def test_dictionary_size_fixed_over_8000_decoded_tokens(tokenizer, tiny_dictionaries):
+    from tests.conftest import tiny_llama
+
+    from kvzip.sparse.dictionary import KVDictionary
+
+    model = tiny_llama(layers=1)
+    model.config.max_position_embeddings = 9000
+    g = torch.Generator().manual_seed(2)
+    atoms = lambda: torch.nn.functional.normalize(torch.randn(1, 256, 16, generator=g), dim=-1)  # noqa: E731
+    dictionary = KVDictionary(keys=atoms(), values=atoms(), meta=tiny_dictionaries.meta)
+    method = get_method("fadkv", {**SMALL, "tau": "0.3", "chunk": "128", "buffer": "64"})
+    cache = method.make_cache(model, dictionary)
+    prompt = tokenizer("adaptive")["input_ids"]
+    events = list(engine.generate(model, tokenizer, [prompt], cache, engine.Settings(max_new_tokens=8000, ignore_eos=True)))
+    result = events[-1]
+    assert len(result.token_ids) == 8000
+    layer = cache.layers[0]
+    stats = result.stats["method_stats"]
+    assert stats["atoms_replaced"] > 0
+    assert layer._n_total("k") == layer.n_atoms == layer._n_total("v")
+    assert stats["tokens_coded"] >= 8000 - 64 - 64
+
+
+def test_lexico_is_omp_and_static():
+    method = get_method("lexico")
+    assert method.coder == "omp" and method.adapt == "none"
