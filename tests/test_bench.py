@@ -89,6 +89,8 @@ def test_best_marks_directions_and_ties():
             {"label": "b", "kv_ratio": 0.25, "top1": 0.9}, {"label": "c", "kv_ratio": None, "top1": 0.5}]
     cols = [c for c in COLUMNS if c.key in ("kv_ratio", "top1")]
     assert best_marks(rows, cols) == {"kv_ratio": {"b"}, "top1": {"a", "b"}}
+    same = [{"label": "full", "top1": 1.0}, {"label": "a", "top1": 0.0}, {"label": "b", "top1": 0.0}]
+    assert best_marks(same, cols) == {}  # nothing to choose between
 
 
 def test_pareto_front():

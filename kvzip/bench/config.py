@@ -56,7 +56,7 @@ class BenchConfig:
     def quick_preset(cls, workloads: tuple[str, ...] = WORKLOADS) -> "BenchConfig":
         """A small version of every workload: a few minutes for all methods on a loaded 2-core CPU."""
         return cls(workloads=workloads, ppl_contexts=(640,), ppl_positions=96, reasoning_prompts=2,
-                   reasoning_new_tokens=32, recall_trials=2, recall_filler=160, speed_contexts=(1024,),
+                   reasoning_new_tokens=32, recall_trials=2, recall_filler=120, speed_contexts=(1024,),
                    speed_new_tokens=16, repeats=1, quick=True)
 
     def capped(self, max_positions: int | None) -> "BenchConfig":

@@ -57,11 +57,15 @@ def summary_rows(data: dict) -> list[dict]:
 
 
 def best_marks(rows: list[dict], columns=COLUMNS, reference: str = "full") -> dict[str, set[str]]:
-    """column key -> labels holding the best value (ties all marked), among rows other than `reference`."""
+    """column key -> labels holding the best value (ties all marked), among rows other than `reference`.
+
+    A column where every such row has the same value marks nothing: there is no best to point at."""
     marks = {}
     for c in columns:
         values = [(r["label"], r[c.key]) for r in rows if r["label"] != reference and r.get(c.key) is not None]
         if not values:
+            continue
+        if len({v for _, v in values}) == 1 and len(values) > 1:
             continue
         pick = max if c.better == "max" else min
         best = pick(v for _, v in values)

@@ -37,12 +37,15 @@ def _prepare(setting: Setting, model, source, dict_path):
 
 
 def _ratios(results: list[dict]) -> None:
-    """speed_ratio_vs_full on every record (and every per-context entry) against full's same workload."""
+    """speed_ratio_vs_full on every record (and per-context entry) that has none yet (speed pairs its own), against
+    full's decode tok/s on the same workload and context in this run."""
     full = {r["workload"]: r for r in results if r["label"] == "full"}
     for r in results:
         ref = full.get(r["workload"])
         entries = [r] + r.get("by_context", [])
         for e in entries:
+            if "speed_ratio_vs_full" in e:
+                continue
             base = ref
             if ref is not None and "context" in e:
                 base = next((c for c in ref.get("by_context", []) if c["context"] == e["context"]), None)

@@ -9,7 +9,8 @@
   parsed from `#### N`, else the last number, equals the reference (meaningful only for a model that can solve GSM8K).
 - `recall`: `kvzip.bench.recall.recall_probe` (facts early, question late, likelihood-ranked), when that module exists.
 - `speed`: prefill and decode on prose at each context: time to first token, prefill tok/s, decode tok/s as
-  1 / median step time (robust to a loaded machine), the median over `repeats` runs after a warm-up.
+  1 / median step time (robust to a loaded machine), the median over `repeats` runs after a warm-up. Each repeat
+  is paired with a `full` run right after it; speed_ratio_vs_full is the median of the paired ratios.
 
 Every workload returns a record dict with kv_bytes_peak, kv_bytes_device_peak, kv_ratio_vs_full_fp16 (peak bytes over
 the fp16 full cache's bytes for the same tokens), decode_tokens_per_s and its quality fields. When several contexts
@@ -202,31 +203,51 @@ def recall(ctx: Context, label: str, method, dictionaries) -> dict:
     }
 
 
+def _timed_generate(ctx: Context, method, dictionaries, ids: list[int], settings, peak: Peak | None = None):
+    """(ttft seconds, decode tok/s as 1 / median step time, method stats) of one generation."""
+    cache = method.make_cache(ctx.model, dictionaries)
+    steps, last, ttft, stats = [], 0.0, 0.0, {}
+    for event in engine.generate(ctx.model, ctx.tokenizer, [ids], cache, settings):
+        if isinstance(event, engine.Step):
+            if peak is not None:
+                peak.see(event.memory)
+            if event.step > 0:
+                steps.append(event.elapsed_s - last)
+            last = event.elapsed_s
+        elif isinstance(event, engine.Result):
+            ttft, stats = event.stats["ttft_s"], event.stats["method_stats"]
+    return ttft, 1 / statistics.median(steps), stats
+
+
 def speed(ctx: Context, label: str, method, dictionaries) -> dict:
+    """Each repeat measures the method, then `full` right after it on the same context: the load of a shared machine
+    drifts slowly, so the ratio of the adjacent pair is far steadier than either rate alone."""
     cfg = ctx.cfg
+    if label == "full":
+        ctx.ref["full_method"] = method
+    full = ctx.ref["full_method"]
     warm = engine.Settings(max_new_tokens=4, ignore_eos=True)
-    list(engine.generate(ctx.model, ctx.tokenizer, [ctx.prose(64)], method.make_cache(ctx.model, dictionaries), warm))
+    for m, d in ((method, dictionaries), (full, None)) if label != "full" else ((method, dictionaries),):
+        list(engine.generate(ctx.model, ctx.tokenizer, [ctx.prose(64)], m.make_cache(ctx.model, d), warm))
     settings = engine.Settings(max_new_tokens=cfg.speed_new_tokens, ignore_eos=True)
     runs = []
     for length in cfg.speed_contexts:
-        ttfts, rates, peak, stats = [], [], Peak(), {}
+        ids = ctx.prose(length)
+        ttfts, rates, ratios, ttft_ratios, peak, stats = [], [], [], [], Peak(), {}
         for _ in range(cfg.repeats):
-            cache = method.make_cache(ctx.model, dictionaries)
-            steps, last = [], 0.0
-            for event in engine.generate(ctx.model, ctx.tokenizer, [ctx.prose(length)], cache, settings):
-                if isinstance(event, engine.Step):
-                    peak.see(event.memory)
-                    if event.step > 0:
-                        steps.append(event.elapsed_s - last)
-                    last = event.elapsed_s
-                elif isinstance(event, engine.Result):
-                    ttfts.append(event.stats["ttft_s"])
-                    stats = event.stats["method_stats"]
-            rates.append(1 / statistics.median(steps))
+            ttft, rate, stats = _timed_generate(ctx, method, dictionaries, ids, settings, peak)
+            ttfts.append(ttft)
+            rates.append(rate)
+            if label != "full":
+                full_ttft, full_rate, _ = _timed_generate(ctx, full, None, ids, settings)
+                ratios.append(rate / full_rate)
+                ttft_ratios.append(ttft / full_ttft)
             ctx.tick(speed_units_one(length, cfg))
         ttft = statistics.median(ttfts)
         runs.append({"context": length, "ttft_s": round(ttft, 4), "prefill_tokens_per_s": round(length / ttft, 2),
                      "decode_tokens_per_s": round(statistics.median(rates), 3), "repeats": cfg.repeats,
+                     "speed_ratio_vs_full": round(statistics.median(ratios), 3) if ratios else 1.0,
+                     "ttft_ratio_vs_full": round(statistics.median(ttft_ratios), 3) if ttft_ratios else 1.0,
                      **peak.fields(), "method_stats": stats})
     return _headline(runs)
 
@@ -236,7 +257,7 @@ def recall_units(cfg) -> int:
 
 
 def speed_units_one(length: int, cfg) -> int:
-    return length // 50 + cfg.speed_new_tokens
+    return 2 * (length // 50 + cfg.speed_new_tokens)  # the method and its paired full run
 
 
 def units(cfg, workload: str) -> int:

@@ -136,13 +136,18 @@ def bench(
     bar = display.progress()
     task = bar.add_task("bench", total=None)
 
+    last = [""]
+
     def on_progress(done, total, description):
         bar.update(task, completed=done, total=total, description=description)
+        if description != last[0] and not display.console.is_terminal:  # a log gets one line per step instead
+            display.console.print(f"{done}/{total} {description}")
+            last[0] = description
 
     with bar:
         data = run_bench(lm, tokenizer, source, settings, cfg, dict_path, on_progress)
     data["command"] = "kvzip bench " + " ".join(_argv())
-    display.out.print(_table(data))
+    display.out.print(_table(data), width=max(display.out.width, 140))
     for note in data["skipped"]:
         display.console.print(f"[yellow]skipped[/yellow] {note['label']}{' ' + note['workload'] if 'workload' in note else ''}: {note['reason']}")
     for fail in data["failed"]:
