@@ -10,7 +10,9 @@ and exits 130 with one line.
 from __future__ import annotations
 
 import datetime
+import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -99,7 +101,14 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
     from kvzip.sparse.train import train_dictionaries
 
     torch.manual_seed(seed)
-    documents = None
+    clock, phases = time.perf_counter(), {}
+
+    def lap(name):
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name] = round(now - clock, 1)
+        clock = now
+
     if text:
         raw = data.read_text_files(text)  # UserError for missing or empty files, before the model loads
     with display.console.status(f"loading {model}"):
@@ -114,6 +123,7 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
             task = bar.add_task("chat answers (tokens)", total=tokens // 2)
             documents, calibration = capture.calibration_documents(
                 lm, tokenizer, tokens, progress=lambda done, total: bar.update(task, completed=done))
+        lap("calibration_text_s")
         total = sum(len(d) for d in documents)
         heads = lm.config.num_key_value_heads
         if int(total * (1 - holdout)) * heads < atoms:
@@ -124,6 +134,7 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
                                       progress=lambda done, n: bar.update(task, completed=done))
         train, held = captured.split()
         del captured
+        lap("capture_s")
         task = bar.add_task("learning (layer x kind x iter)", total=len(train.keys) * 2 * iters)
 
         def learned(step, n, info):
@@ -133,12 +144,13 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
 
         trained = train_dictionaries(train.keys, train.values, held.keys, held.values, heads, atoms, sparsity,
                                      iters, coder=coder, samples=samples, seed=seed, progress=learned)
+        lap("learning_s")
     meta = make_meta(
         model_fingerprint(lm.config), s=sparsity, keys=keys, source=calibration, tokens=total,
         key_error=trained.key_error, value_error=trained.value_error,
         heldout_key_error_vs_raw="[" + ", ".join(f"{e:.5f}" for e in trained.key_error_vs_raw) + "]",
         heldout_tokens=held.tokens, training_tokens=train.tokens, coder=coder, iters=iters, samples=samples,
-        seed=seed, model=source.name, command=command, kvzip_version=version("kvzip"),
+        seed=seed, model=source.name, seconds=json.dumps(phases), command=command, kvzip_version=version("kvzip"),
         created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         key_mean=("subtracted before coding; post-RoPE it is a per-query constant shift of the scores, "
                   "softmax drops it" if keys == "post-rope" else
@@ -151,4 +163,5 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
     display.console.print(
         f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {len(trained.key_error)} layers x N={atoms}, s={sparsity}, "
         f"{total} tokens ({held.tokens} held out); mean held-out error keys {mean(trained.key_error):.3f} "
-        f"(vs raw norm {mean(trained.key_error_vs_raw):.3f}), values {mean(trained.value_error):.3f}")
+        f"(vs raw norm {mean(trained.key_error_vs_raw):.3f}), values {mean(trained.value_error):.3f}; "
+        + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.0f}s" for k, v in phases.items()))
