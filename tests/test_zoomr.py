@@ -62,8 +62,9 @@ def test_index_key_is_mean_of_summary_keys_and_detail_is_on_host(tiny, tokenizer
     layer0, ref = cache.layers[0], full.layers[0].keys  # layer 0 keys depend only on token and position
     row = cache.rows[0]
     for t, (s, e) in enumerate(row.thoughts):
-        hk, hv = layer0.detail[0][t]
-        assert hk.device.type == "cpu" and hk.shape == (2, e - s, 16)
+        assert layer0.detail[0][t][0][0].device.type == "cpu"
+        hk, hv = layer0._load(0, t)
+        assert hk.shape == (2, e - s, 16)
         assert torch.allclose(hk, ref[0, :, s:e], atol=1e-5)
         assert torch.allclose(layer0.index[0][t], ref[0, :, layer0.summary_pos[0][t]].mean(1), atol=1e-5)
     detail = sum(2 * (e - s) * 2 * 16 * 4 for s, e in row.thoughts) * len(cache.layers)
@@ -149,3 +150,22 @@ def test_options_are_validated():
         get_method("sumr", {"min_thought": "10", "max_thought": "5"})
     with pytest.raises(UserError, match="has no option 'c'"):
         get_method("sumr", {"c": "2"})
+
+
+def test_fadkv_detail_codes_the_host_tier(tiny, tokenizer, tiny_dictionaries):
+    text = "".join(f"thought number {i} says hi.\n\n" for i in range(5))
+    ids = [tokenizer("p")["input_ids"]], [tokenizer(text)["input_ids"][1:]]
+    caches = {}
+    for detail in ("host", "fadkv"):
+        method = get_method("zoomr", {**SMALL, "detail": detail})
+        assert method.needs_dictionary == (detail == "fadkv")
+        caches[detail] = method.make_cache(tiny, tiny_dictionaries)
+        forced_decode(tiny, tokenizer, caches[detail], *ids)
+    dense, coded = caches["host"], caches["fadkv"]
+    assert 0 < coded.memory()["host"] < dense.memory()["host"] / 2
+    k_dense, _ = dense.layers[0]._load(0, 2)
+    k_coded, v_coded = coded.layers[0]._load(0, 2)  # layer 0: the same tokens give the same keys in both caches
+    assert k_coded.shape == k_dense.shape and v_coded.dtype == k_dense.dtype
+    assert ((k_coded - k_dense).norm() / k_dense.norm()) < 0.9
+    with pytest.raises(UserError, match="needs a dictionary"):
+        get_method("zoomr", {"detail": "fadkv"}).make_cache(tiny, None)

@@ -2,7 +2,9 @@
 
 The reasoning is teacher-forced (fixed text fed token by token), so the small model's weak reasoning cannot hide what
 the cache lost. Each trial: a chat prompt, then an assistant "reasoning" of paragraphs: `n_facts` short facts
-("Note 2: the blue box holds the violin."); the question names the note and colour, then held-out prose paragraphs (kvzip.data.evaluation_prose, GPQA
+("Note 2: the blue box holds the violin. So the blue box holds the violin."; stated twice, which lifts the
+model's own recall with a full cache from about 0.69 to 0.75 on 16 trials), then held-out prose paragraphs
+(kvzip.data.evaluation_prose, GPQA
 explanations and GSM8K solutions) as filler, then a question paragraph ("Back to note 2: the blue box holds the").
 The score is likelihood ranking: the trial counts as recalled when the right object is the most likely next token
 among the trial's candidate objects (all single tokens; chance is 1/n_facts).
@@ -101,7 +103,8 @@ def build_trials(tokenizer, n_trials: int, n_facts: int = 4, filler_tokens: int 
         colors = rng.sample(COLORS, n_facts)
         objs = rng.sample(sorted(objects), n_facts)
         answer = rng.randrange(n_facts)
-        facts = "".join(f"Note {i + 1}: the {c} box holds the {o}.\n\n" for i, (c, o) in enumerate(zip(colors, objs)))
+        facts = "".join(f"Note {i + 1}: the {c} box holds the {o}. So the {c} box holds the {o}.\n\n"
+                        for i, (c, o) in enumerate(zip(colors, objs)))
         filler = []
         while len(filler) < filler_tokens:
             filler += enc(rng.choice(paragraphs) + "\n\n")

@@ -4,7 +4,8 @@ Reasoning is cut into thoughts while decoding (`on_step` watches each row's text
 by default). Each finished thought keeps a summary on the device: `r` representative tokens (`summary=pooled`,
 training-free) or the tokens the model wrote between summary markers (`summary=generated`). Its index key is the mean
 of its summary keys, per layer and KV head. Every thought's full K/V (the detail) goes off the device (`detail=host`:
-CPU memory, pinned with non-blocking copies on CUDA).
+CPU memory, pinned with non-blocking copies on CUDA; `detail=fadkv`: the same, as sparse codes over the FAD-KV
+dictionary of kvzip/methods/fadkv.py, ~8x fewer host bytes, reconstructed with coding error when zoomed in).
 
 Zoom-in, and why it is applied one step late: at a selection point every query head of every layer scores the index
 keys and votes for its top-`k` thoughts; the `c` most-voted thoughts (votes summed over heads and layers) are zoomed
@@ -27,7 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from kvzip.attention import gather_mask, leading_padding
+from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
+from kvzip.sparse.omp import omp, reconstruct
 
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]?\s")
 
@@ -72,7 +75,7 @@ class ZoomRLayer(KVLayer):
         self.received = torch.empty(self.batch, 0, device=self.device)  # (B, S) attention received (pick=attention)
         self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
         self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key
-        self.detail = [[] for _ in range(self.batch)]  # per row, per thought: (K, V) each (Hkv, n, d) off-device
+        self.detail = [[] for _ in range(self.batch)]  # per row, per thought: K and V parts off the device
         self.stacked = None  # (index keys (B, Hkv, T, d), valid (B, T)) built lazily
         self.host_bytes = 0
 
@@ -148,8 +151,30 @@ class ZoomRLayer(KVLayer):
         self.index[b].append(self.keys[b, :, keep].mean(1))  # (Hkv, d)
         self.stacked = None
         if c.keep_detail:
-            self.detail[b].append(tuple(c.offload(x[b, :, slots]) for x in (self.keys, self.values)))
-            self.host_bytes += tensor_bytes(*self.detail[b][-1])
+            self.detail[b].append(self._store(self.keys[b, :, slots], self.values[b, :, slots]))
+            self.host_bytes += sum(tensor_bytes(*part) for part in self.detail[b][-1])
+
+    def _store(self, k, v):
+        """k, v (Hkv, n, d) -> what the detail tier keeps: dense copies, or dictionary codes (idx int16, coef fp16)."""
+        if self.cache.coder is None:
+            return (self.cache.offload(k),), (self.cache.offload(v),)
+        d_k, d_v, g_k, g_v, mean = self.cache.coder[self.idx]
+        out = []
+        for x, atoms, gram in ((k if mean is None else k - mean[:, None], d_k, g_k), (v, d_v, g_v)):
+            idx, coef = omp(x.float().reshape(-1, self.head_dim), atoms, self.cache.sparsity, gram=gram)
+            out.append((self.cache.offload(idx.to(torch.int16)), self.cache.offload(coef.half())))
+        return tuple(out)
+
+    def _load(self, b: int, t: int):
+        """Thought t of row b back on the device: (K, V) each (Hkv, n, d)."""
+        (k, *kc), (v, *vc) = ([x.to(self.device, non_blocking=True) for x in part] for part in self.detail[b][t])
+        if self.cache.coder is None:
+            return k, v
+        d_k, d_v, _, _, mean = self.cache.coder[self.idx]
+        shape = (self.kv_heads, -1, self.head_dim)
+        k = reconstruct(d_k, k.long(), kc[0]).view(shape)  # codes (Hkv * n, s) -> (Hkv, n, d)
+        v = reconstruct(d_v, v.long(), vc[0]).view(shape)
+        return (k if mean is None else k + mean[:, None]).to(self.dtype), v.to(self.dtype)
 
     def _vote(self, q):
         """q (B, Hq, d): every head votes for its top-k thoughts; votes land in the cache's (B, T) tally."""
@@ -195,7 +220,7 @@ class ZoomRLayer(KVLayer):
                 s, e = row.thoughts[t]
                 need = missing[s:e].nonzero().squeeze(-1)
                 if need.numel():
-                    hk, hv = (x.to(self.device, non_blocking=True) for x in self.detail[b][t])
+                    hk, hv = self._load(b, t)
                     ks.append(hk[:, need]), vs.append(hv[:, need]), ps.append(need + s)
                     rs.append(torch.zeros(need.numel(), device=self.device))
             pos = torch.cat(ps)
@@ -222,8 +247,9 @@ class ZoomRLayer(KVLayer):
 class ZoomRCache(KVCache):
     """Cache-level state shared by the layers: segmentation (on_step), the vote tally, the zoom sets."""
 
-    def __init__(self, method: "ZoomR", layers: int, zoom: bool = True, keep_detail: bool = True):
+    def __init__(self, method, layers: int, zoom: bool = True, keep_detail: bool = True, coder=None, sparsity=0):
         self.zoom_enabled, self.keep_detail = zoom, keep_detail
+        self.coder, self.sparsity = coder, sparsity  # per layer (D_k, D_v, G_k, G_v, key mean) for detail=fadkv
         self.method_pick_attention = method.pick == "attention"
         self.strings, self.ids = parse_boundary(method.boundary)
         self.rows: list[Row] = []
@@ -376,7 +402,7 @@ class ZoomR(Method):
         check_choice("summary_mode", self.summary_mode, ("pooled", "generated"))
         check_choice("pick", self.pick, ("norm", "attention", "even"))
         check_choice("select", self.select, ("sentence", "thought", "token"))
-        check_choice("detail", self.detail, ("host",))
+        check_choice("detail", self.detail, ("host", "fadkv"))
         check_positive(r=self.r, k=self.k, c=self.c, window=self.window, min_thought=self.min_thought)
         if self.max_thought < self.min_thought:
             raise ValueError(f"max_thought ({self.max_thought}) must be >= min_thought ({self.min_thought})")
@@ -392,6 +418,19 @@ class ZoomR(Method):
             opts["summary_mode"] = opts.pop("summary")
         return super().from_options(opts)
 
+    @property
+    def needs_dictionary(self) -> bool:
+        return self.detail == "fadkv"
+
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
-        return ZoomRCache(self, layers)
+        if self.detail == "host":
+            return ZoomRCache(self, layers)
+        from kvzip.methods.fadkv import _prepare
+
+        if dictionaries is None:
+            raise UserError("zoomr detail=fadkv needs a dictionary: train one with `kvzip train-dict` or pass --dict")
+        if dictionaries.meta.get("keys", "post-rope") != "post-rope":
+            raise UserError("zoomr detail=fadkv codes post-RoPE keys: train with `kvzip train-dict --keys post-rope`")
+        sparsity = int(dictionaries.meta.get("sparsity", 8))  # the sparsity the dictionary was trained for
+        return ZoomRCache(self, layers, coder=_prepare(dictionaries, model.device), sparsity=sparsity)
