@@ -103,17 +103,28 @@ def plot(data: dict, path, title: str | None = None) -> list[str]:
         raise ValueError("the plot needs the ppl workload (top-1 agreement and KV ratio)")
     front = pareto_front(points)
     fig, ax = plt.subplots(figsize=(7, 4.8), dpi=120)
+    xs, ys = [p[1] for p in points], [p[2] for p in points]
+    near_x, near_y = 0.04 * (max(xs) - min(xs) or 1), 0.03 * (max(ys) - min(ys) or 1)
+    groups: list[tuple[float, float, list[str]]] = []  # settings on (nearly) the same spot share one annotation
     for label, x, y in points:
         on = label in front
         ax.scatter([x], [y], s=46 if on else 30, color="tab:red" if on else "tab:blue", zorder=3)
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        group = next((g for g in groups if abs(g[0] - x) < near_x and abs(g[1] - y) < near_y), None)
+        if group is None:
+            groups.append((x, y, [label]))
+        else:
+            group[2].append(label)
+    for x, y, labels in groups:
+        ax.annotate(", ".join(labels), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     fx = [next(p[1] for p in points if p[0] == label) for label in front]
     fy = [next(p[2] for p in points if p[0] == label) for label in front]
     ax.step(fx, fy, where="post", color="tab:red", alpha=0.6, label="Pareto front")
     env = data.get("environment", {})
     ax.set_xlabel("KV cache bytes (peak) / fp16 full cache")
     ax.set_ylabel("teacher-forced top-1 agreement with full")
-    ax.set_title(title or f"kvzip bench · {env.get('model', '')} · {env.get('device', '')}", fontsize=10)
+    quick = " · quick" if data.get("config", {}).get("quick") else ""
+    ax.set_title(title or f"kvzip bench · {env.get('model', '')} · {env.get('device', '')}{quick} · "
+                          f"{env.get('date', '')[:10]}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()

@@ -1,12 +1,15 @@
 """`kvzip bench`: every method (or chosen settings) on the same model and workloads in one run, against `full`.
 
 Thin: check the flags, load the model, call `kvzip.bench.run_bench` with a progress callback, then print the table
-(best value per column marked with *), the notes, and write `--json` (atomically) and `--plot`.
+(best value per column among methods other than full marked with *), the notes, and write `--json` (atomically) and
+`--plot`. Exit code 1 when a method crashed (its error is in the JSON), 2 for a user error.
 
     kvzip bench --quick                                    # every registered method, small workloads, minutes on CPU
-    kvzip bench --json bench.json --plot bench.png         # the full run (README results table)
+    kvzip bench --json bench.json --plot bench.png         # the full run behind the README results table
+    kvzip bench --model qwen2.5-coder-0.5b --methods full,fadkv,zoomr,hf-int4 --workloads reasoning \
+        --prompts 50 --json gsm8k.json                     # GSM8K accuracy on a model that can solve it
     kvzip bench --methods full,window --method-set "window:window=256" --method-set "window:window=1024,sinks=8"
-    kvzip bench --methods full,hf-int4 --opt hf-int4.residual_length=64 --workloads ppl,speed
+    kvzip bench --methods full,hf-int4 --opt hf-int4.residual_length=64 --workloads ppl,speed --contexts 1024,4096
 """
 
 from __future__ import annotations
