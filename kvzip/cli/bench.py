@@ -150,7 +150,9 @@ def bench(
     with bar:
         data = run_bench(lm, tokenizer, source, settings, cfg, dict_path, on_progress)
     data["command"] = "kvzip bench " + " ".join(_argv())
-    display.out.print(_table(data), width=max(display.out.width, 140))
+    if not display.out.is_terminal:  # a pipe or log gets the whole table, not one squeezed to 80 columns
+        display.out.width = max(display.out.width, 150)
+    display.out.print(_table(data))
     for note in data["skipped"]:
         display.console.print(f"[yellow]skipped[/yellow] {note['label']}{' ' + note['workload'] if 'workload' in note else ''}: {note['reason']}")
     for fail in data["failed"]:
