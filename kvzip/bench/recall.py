@@ -14,7 +14,7 @@ Feeding goes through `forced_decode`, which mirrors the engine's decode loop (pr
 as in generation; trials are rows of one left-padded batch of equal forced length.
 
     from kvzip.bench.recall import recall_probe
-    recall_probe(model, tokenizer, get_method("zoomr"), n_trials=8)  # {"recall_accuracy": 0.875, ...}
+    recall_probe(model, tokenizer, get_method("zoomr"), n_trials=8)  # {"recall_accuracy": ..., "mean_rank": ..., ...}
 """
 
 from __future__ import annotations
