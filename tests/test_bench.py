@@ -139,6 +139,8 @@ def test_answer_parsing_and_agreement():
     (["--plot", "x.png", "--workloads", "speed"], "needs the ppl workload"),
     (["--contexts", "a,b"], "comma-separated integers"),
     (["--opt", "window=3"], "method.key=value"),
+    (["--dict", "/nonexistent/d.safetensors"], "does not exist"),
+    (["--repeats", "0"], "repeats must be at least 1"),
 ])
 def test_cli_user_errors_are_one_line_exit_2(args, message, capsys, monkeypatch):
     import sys

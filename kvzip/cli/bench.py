@@ -129,6 +129,8 @@ def bench(
             import matplotlib  # noqa: F401
         except ImportError:
             raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    if dict_path is not None and not dict_path.is_file():
+        raise UserError(f"--dict {dict_path} does not exist: give a dictionary file made by `kvzip train-dict`")
     for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
         if path is not None and path.is_dir():
             raise UserError(f"{flag} {path} is a directory: give a file path")
