@@ -131,13 +131,17 @@ def generate(
                     })
                     if bar is not None:
                         bar.advance(task)
+            if any(r["finish_reason"] == "interrupted" for r in records):
+                break  # Ctrl-C landed inside the engine: keep what finished, start no new batch
         if bar is not None:
             bar.stop()
     except KeyboardInterrupt:
         if output is not None and records:
             write_atomic(output, "".join(json.dumps(r) + "\n" for r in records))
             display.console.print(f"interrupted: {len(records)} finished results written to {output}")
-        raise
+        else:
+            display.console.print("kvzip: interrupted")
+        raise typer.Exit(130) from None
     if streaming:
         display.out.print()
         display.console.print(display.summary_line(records[0]))
@@ -146,9 +150,13 @@ def generate(
             print(json.dumps(r))
     elif output is None:
         for r in records:
-            display.out.print(f"[bold]>>> {r['prompt'] if isinstance(r['prompt'], str) else r['prompt'][-1]['content']}[/bold]")
+            shown = r["prompt"] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]
+            display.out.print(f">>> {shown}", style="bold", markup=False)
             display.out.print(r["completion"], markup=False)
             display.console.print(display.summary_line(r))
     if output is not None:
         write_atomic(output, "".join(json.dumps(r) + "\n" for r in records))
         display.console.print(f"wrote {len(records)} results to {output}")
+    if any(r["finish_reason"] == "interrupted" for r in records):
+        display.console.print("kvzip: interrupted")
+        raise typer.Exit(130)
