@@ -379,31 +379,23 @@ class ZoomRCache(KVCache):
 
 
 @dataclass
-class ZoomR(Method):
-    """ZoomR (Yang et al., ACL 2026): summaries as a coarse index, zoom-in to the full KV of the c most-voted thoughts."""
+class ThoughtOptions(Method):
+    """Options shared by zoomr and sumr: segmentation, summaries and the recent tail (not a method by itself)."""
 
-    name = "zoomr"
-    summary = "thoughts indexed by summaries; zoom-in to the most-voted thoughts' full KV; detail off the device"
     summary_mode: str = "pooled"
     pick: str = "norm"
     r: int = 4
-    k: int = 2
-    c: int = 2
     window: int = 128
-    select: str = "sentence"
     boundary: str = "\\n\\n"
     min_thought: int = 8
     max_thought: int = 128
     begin_marker: str = "<|begin_of_summary|>"
     end_marker: str = "<|end_of_summary|>"
-    detail: str = "host"
 
     def __post_init__(self):
         check_choice("summary_mode", self.summary_mode, ("pooled", "generated"))
         check_choice("pick", self.pick, ("norm", "attention", "even"))
-        check_choice("select", self.select, ("sentence", "thought", "token"))
-        check_choice("detail", self.detail, ("host", "fadkv"))
-        check_positive(r=self.r, k=self.k, c=self.c, window=self.window, min_thought=self.min_thought)
+        check_positive(r=self.r, window=self.window, min_thought=self.min_thought)
         if self.max_thought < self.min_thought:
             raise ValueError(f"max_thought ({self.max_thought}) must be >= min_thought ({self.min_thought})")
         if not self.begin_marker or not self.end_marker:
@@ -417,6 +409,24 @@ class ZoomR(Method):
         if "summary" in opts:
             opts["summary_mode"] = opts.pop("summary")
         return super().from_options(opts)
+
+
+@dataclass
+class ZoomR(ThoughtOptions):
+    """ZoomR (Yang et al., ACL 2026): summaries as a coarse index, zoom-in to the full KV of the c most-voted thoughts."""
+
+    name = "zoomr"
+    summary = "thoughts indexed by summaries; zoom-in to the most-voted thoughts' full KV; detail off the device"
+    k: int = 2
+    c: int = 2
+    select: str = "sentence"
+    detail: str = "host"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("select", self.select, ("sentence", "thought", "token"))
+        check_choice("detail", self.detail, ("host", "fadkv"))
+        check_positive(k=self.k, c=self.c)
 
     @property
     def needs_dictionary(self) -> bool:
