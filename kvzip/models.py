@@ -191,18 +191,40 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     folder = str(_gguf_to_safetensors(Path(source.path))) if source.is_gguf else source.path
+    hub_id = not source.is_gguf and not Path(folder).is_dir()
+    # A hub id is tried from the local Hugging Face cache first; the network only when the hub answers at all,
+    # so an offline machine gets one clear line at once instead of minutes of retries.
+    local_only = hub_id and not _hub_reachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dt, attn_implementation=ATTN_IMPLEMENTATION, trust_remote_code=trust_remote_code
+            folder, dtype=dt, attn_implementation=ATTN_IMPLEMENTATION, trust_remote_code=trust_remote_code,
+            local_files_only=local_only,
         )
     except OSError as exc:
+        if local_only:
+            raise UserError(f"model '{spec}' is not in the local Hugging Face cache and the hub is not reachable: "
+                            "download it on a connected machine and pass its folder") from None
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"cannot load model '{spec}': {first}") from None
     model.to(dev).eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer, source
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def model_fingerprint(config) -> dict:
