@@ -144,6 +144,7 @@ def generate(
         raise typer.Exit(130) from None
     if streaming:
         display.out.print()
+        display.out.file.flush()  # the summary goes to stderr: keep it after the streamed text
         display.console.print(display.summary_line(records[0]))
     elif json_out:
         for r in records:
