@@ -14,7 +14,7 @@ from kvzip.methods import METHODS, get_method
 from .conftest import run_cli
 
 # Small settings so that three short turns (a few hundred tokens) already compress.
-SMALL = {"window": {"window": "64"}, "zoomr": {"window": "32"}, "fadkv": {}}
+SMALL = {"window": {"window": "64"}, "zoomr": {"window": "32"}, "fadkv": {"buffer": "32", "chunk": "16"}}
 QUESTIONS = ["What is the capital of France?", "Name three rivers in Europe.", "Which of them is the longest?"]
 
 
@@ -43,6 +43,8 @@ def test_three_turns_through_kvzip_chat_use_less_kv_than_full(name, tmp_path):
     assert 0 < stats["kv_bytes_device"] < stats["kv_bytes_full"], stats
     if name == "window":
         assert stats["kv_bytes"] == stats["kv_bytes_device"] and stats["method_stats"]["evicted_tokens"] > 0
+    if name == "fadkv":  # most of the conversation is coded: below even an fp16 full cache
+        assert stats["method_stats"]["tokens_coded"] > 50 and stats["kv_bytes"] < 0.7 * stats["kv_bytes_fp16_full"]
 
 
 def test_cached_tokens_equal_the_retemplated_conversation(default_model):
