@@ -36,6 +36,15 @@ def tiny_llama(seed: int = 0, layers: int = 2):
     return model.eval()
 
 
+@pytest.fixture
+def one_thread():
+    """Run a test on one torch thread (timing-sensitive coders; the machine has two cores), then restore."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     return tiny_llama()

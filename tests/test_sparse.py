@@ -27,12 +27,7 @@ def _sparse_signals(D, M, s, seed=1):
     return reconstruct(D, idx, coef), idx
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("coder", ["omp", "screen"])

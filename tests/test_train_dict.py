@@ -21,12 +21,7 @@ from tests.conftest import ByteTokenizer, tiny_llama
 TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. " * 8).strip()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
