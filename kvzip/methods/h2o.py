@@ -15,7 +15,7 @@ import torch
 
 from kvzip.attention import gather_mask, gather_tokens
 from kvzip.methods.base import KVCache, Method, check_positive, model_layout, tensor_bytes
-from kvzip.methods.window import WindowLayer
+from kvzip.methods.window import WindowCache, WindowLayer
 
 
 class H2OLayer(WindowLayer):
@@ -68,11 +68,6 @@ class H2OLayer(WindowLayer):
         return {"device": tensor_bytes(self.keys, self.values, self.score)}
 
 
-class H2OCache(KVCache):
-    def stats(self) -> dict:
-        return {"evicted_tokens": self.layers[0].evicted if self.layers[0].is_initialized else 0}
-
-
 @dataclass
 class H2O(Method):
     """H2O: heavy hitters by accumulated attention + recent window."""
@@ -87,4 +82,4 @@ class H2O(Method):
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
-        return H2OCache([H2OLayer(self.heavy, self.window) for _ in range(layers)], self)
+        return WindowCache([H2OLayer(self.heavy, self.window) for _ in range(layers)], self)
