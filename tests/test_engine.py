@@ -113,3 +113,38 @@ def test_prompt_longer_than_context_is_a_user_error(tiny, tokenizer):
     ids = [5] * 4000
     with pytest.raises(UserError, match="exceeds the model's context"):
         run(tiny, tokenizer, [ids], get_method("full"), engine.Settings(max_new_tokens=200))
+
+
+def _to_cuda(dictionaries):
+    import dataclasses
+
+    moved = {f.name: getattr(dictionaries, f.name) for f in dataclasses.fields(dictionaries)}
+    return type(dictionaries)(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(METHODS))
+def test_every_method_runs_on_cuda_in_bf16(tokenizer, request, name):
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama().to("cuda", torch.bfloat16)
+    method = get_method(name, TINY_OPTS.get(name, {}))
+    dicts = _to_cuda(request.getfixturevalue("tiny_dictionaries")) if method.needs_dictionary else None
+    prompts = [prompt(tokenizer, "hello there, tiny model " * 3), prompt(tokenizer, "short one")]
+    results, _, cache = run(model, tokenizer, prompts, method, engine.Settings(max_new_tokens=24, ignore_eos=True), dicts)
+    assert [len(r.token_ids) for r in results] == [24, 24]
+    assert results[0].stats["kv_bytes"] > 0 and results[0].stats["cuda_max_memory_allocated"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_full_on_cuda_is_token_identical_to_transformers_greedy(tokenizer):
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama().to("cuda")
+    ids = prompt(tokenizer, "The quick brown fox")
+    results, _, _ = run(model, tokenizer, [ids], get_method("full"), engine.Settings(max_new_tokens=20, ignore_eos=True))
+    reference = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=20, do_sample=False,
+                               min_new_tokens=20)[0, len(ids):].tolist()
+    assert results[0].token_ids == reference

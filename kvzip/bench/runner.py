@@ -74,7 +74,8 @@ def run_bench(model, tokenizer, source, settings: list[Setting], cfg: BenchConfi
               on_progress=None) -> dict:
     """Measure `settings` (full first) on `cfg.workloads`. on_progress(done, total, description) after each step.
 
-    Returns {"config", "environment", "settings", "results", "skipped", "failed", "process", "wall_s"}.
+    Returns {"config", "environment", "settings", "results", "skipped", "failed", "process", "wall_s",
+    "interrupted"}; Ctrl-C stops the run early with the records finished so far and interrupted=True.
     """
     assert settings and settings[0].label == "full", "full must run first: it is every other setting's reference"
     t0 = time.perf_counter()
@@ -94,8 +95,34 @@ def run_bench(model, tokenizer, source, settings: list[Setting], cfg: BenchConfi
             skipped.append({"label": s.label, "method": s.name, "reason": str(exc)})
 
     total = sum(workloads.units(cfg, w) for w in wanted) * len(ready)
-    done = 0
     ctx = workloads.Context(model, tokenizer, cfg)
+    interrupted = False
+    try:
+        _measure_all(ready, wanted, cfg, ctx, results, failed, total, on_progress)
+    except KeyboardInterrupt:  # Ctrl-C (or `timeout -s INT`): keep every record finished so far
+        interrupted = True
+    _ratios(results)
+    env["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    process = {"peak_rss_bytes": peak_rss_bytes()}
+    if model.device.type == "cuda":
+        process["cuda_max_memory_allocated"] = max((r.get("cuda_max_memory_allocated", 0) for r in results), default=0)
+    return {
+        "config": cfg.describe(),
+        "environment": env,
+        "settings": [{"label": s.label, "method": s.name, "options": m.describe()["options"]} for s, m, _ in ready],
+        "results": results,
+        "skipped": skipped,
+        "failed": failed,
+        "process": process,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "interrupted": interrupted,
+    }
+
+
+def _measure_all(ready, wanted, cfg, ctx, results, failed, total, on_progress) -> None:
+    """Every (setting, workload) pair in order, appending to `results` / `failed` as each one ends."""
+    model = ctx.model
+    done = 0
     for setting, method, dictionaries in ready:
         for w in wanted:
             description = f"{setting.label} · {w}"
@@ -128,18 +155,3 @@ def run_bench(model, tokenizer, source, settings: list[Setting], cfg: BenchConfi
             if model.device.type == "cuda":
                 record["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(model.device)
             results.append(record)
-    _ratios(results)
-    env["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    process = {"peak_rss_bytes": peak_rss_bytes()}
-    if model.device.type == "cuda":
-        process["cuda_max_memory_allocated"] = max((r.get("cuda_max_memory_allocated", 0) for r in results), default=0)
-    return {
-        "config": cfg.describe(),
-        "environment": env,
-        "settings": [{"label": s.label, "method": s.name, "options": m.describe()["options"]} for s, m, _ in ready],
-        "results": results,
-        "skipped": skipped,
-        "failed": failed,
-        "process": process,
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }

@@ -171,6 +171,9 @@ def bench(
     if plot_path is not None:
         front = _save_plot(data, plot_path)
         display.console.print(f"wrote {plot_path} (Pareto front: {', '.join(front)})")
+    if data["interrupted"]:
+        display.console.print(f"[yellow]interrupted[/yellow]: {len(data['results'])} finished records kept")
+        raise typer.Exit(130)
     if data["failed"]:
         raise typer.Exit(1)
 
