@@ -148,3 +148,15 @@ def test_full_on_cuda_is_token_identical_to_transformers_greedy(tokenizer):
     reference = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=20, do_sample=False,
                                min_new_tokens=20)[0, len(ids):].tolist()
     assert results[0].token_ids == reference
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_hf_fp8_saturates_values_beyond_the_frozen_scale(device):
+    from kvzip.methods.peers import PeerFp8Layer
+
+    layer = PeerFp8Layer()
+    small = torch.ones(1, 2, 4, 8, device=device)
+    layer.update(small, small)
+    keys, values = layer.update(10 * small[:, :, :1], -10 * small[:, :, :1])  # 10x the prefill's range
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+    assert keys[:, :, -1].max().item() == pytest.approx(1.0) and values[:, :, -1].min().item() == pytest.approx(-1.0)

@@ -1,7 +1,8 @@
 """Peers: transformers' own quantized KV caches as kvzip methods, so `kvzip bench` measures them in the same run.
 
 - `hf-fp8`: `Fp8QuantizedLayer` (QuantizedCache backend "fp8"): keys and values in float8 e4m3 with a per-tensor
-  scale calibrated on the prefill and frozen after it.
+  scale calibrated on the prefill and frozen after it (later values saturate at the fp8 range, as the CPU cast
+  does; the stock layer's CUDA cast makes them NaN).
 - `hf-int4`, `hf-int2`: `QuantoQuantizedLayer` (backend "quanto", KIVI-style): groups of `q_group_size` values
   quantized with a scale and a shift, the newest tokens kept in full precision until `residual_length` of them
   have gathered, then the whole cache is re-quantized. Needs `optimum-quanto`.
@@ -53,7 +54,15 @@ class _PeerMemory:
 
 
 class PeerFp8Layer(_PeerMemory, Fp8QuantizedLayer):
-    pass
+    """The one change to transformers' layer: saturate at the fp8 range before the cast. The scale is frozen on the
+    prefill, so a later token can exceed it; the CPU cast saturates, but the CUDA cast turns such values into NaN
+    (seen on an H200 in bf16: perplexity NaN, top-1 agreement 0.41), which would measure a crash, not fp8."""
+
+    def _quantize(self, tensor, scale=None):
+        if scale is None:
+            return super()._quantize(tensor)
+        limit = self.fp8_max * scale
+        return super()._quantize(torch.maximum(torch.minimum(tensor.float(), limit), -limit), scale)
 
 
 class PeerQuantoLayer(_PeerMemory, QuantoQuantizedLayer):
