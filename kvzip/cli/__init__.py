@@ -25,13 +25,9 @@ app.command("generate")(_generate.generate)
 @app.callback()
 def _root() -> None:
     """kvzip: run LLM reasoning with a compressed KV cache (FAD-KV dictionaries, ZoomR thought retrieval)."""
-    import os
+    from kvzip.warm import library_env_defaults
 
-    # transformers' own progress bars and advisories would interleave with kvzip's display.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")
+    library_env_defaults()
 
 
 def _register_optional() -> None:
