@@ -42,33 +42,53 @@ def _check(x: torch.Tensor, D: torch.Tensor, s: int, gram: torch.Tensor | None) 
         assert gram.shape == (D.shape[0], D.shape[0]), f"gram must be (N, N), got {tuple(gram.shape)}"
 
 
-def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """OMP given the correlations c0 = x Dᵀ (M, N) and a Gram matrix G (N, N) or (M, N, N), both fp32.
+def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch.Tensor | None = None,
+                          start: tuple | None = None, return_state: bool = False):
+    """OMP given correlations c0 (M, P) and the dictionary's Gram matrix G (N, N), both fp32.
 
-    A per-row Gram (M, N, N) lets screen.py run OMP on each vector's own candidate pool. Returns idx (M, s) int64
-    (positions in c0's columns) and coef (M, s) fp32.
+    Without `pool`, P = N: c0 = x Dᵀ over every atom. With `pool` (M, P) atom numbers, OMP runs on each row's own
+    candidate pool (screen.py): c0 holds the correlations with the pool's atoms, and each step gathers only the P
+    Gram entries G[picked atom, pool] of its new atom, never a P x P sub-Gram. Returns idx (M, s) int64, positions
+    in c0's columns (map through `pool` for atom numbers), and coef (M, s) fp32.
+
+    `start` = (U0 (M, k0, P), L0 (M, k0, k0), z0 (M, k0)) resumes a pursuit after k0 steps whose atoms are the first
+    k0 pool columns (c0 then holds the residual correlations, 0 at those columns); `return_state` adds (L, z) to the
+    result so that a caller can resume from it (screen.py's second shot).
     """
-    M, N = c0.shape
-    batched = G.dim() == 3
+    M, P = c0.shape
+    N = G.shape[0]
     rows = torch.arange(M, device=c0.device)
-    alpha = c0.clone()                                        # (M, N) residual correlations
-    U = c0.new_zeros(M, s, N)                                 # (M, s, N) correlations of orthonormalised atoms
+    alpha = c0.clone()                                        # (M, P) residual correlations
+    U = c0.new_zeros(M, s, P)                                 # (M, s, P) correlations of orthonormalised atoms
     Lw = c0.new_zeros(M, s, s)                                # (M, s, s) Cholesky factor of G[I, I], lower
     z = c0.new_zeros(M, s)                                    # (M, s) projections of x on the orthonormal basis
     idx = torch.empty(M, s, dtype=torch.long, device=c0.device)
-    taken = torch.zeros(M, N, dtype=torch.bool, device=c0.device)
-    gdiag = G.diagonal(dim1=-2, dim2=-1)                      # (N,) or (M, N)
-    for k in range(s):
+    taken = torch.zeros(M, P, dtype=torch.bool, device=c0.device)
+    if pool is not None:
+        flat = G.reshape(-1)
+        gdiag = G.diagonal()[pool]                            # (M, P)
+    else:
+        gdiag = G.diagonal().expand(M, N)
+    k0 = 0
+    if start is not None:
+        U0, L0, z0 = start
+        k0 = L0.shape[1]
+        U[:, :k0], Lw[:, :k0, :k0], z[:, :k0] = U0, L0, z0
+        taken[:, :k0] = True
+        idx[:, :k0] = torch.arange(k0, device=c0.device)
+    for k in range(k0, s):
         j = alpha.abs().masked_fill(taken, -1.0).argmax(dim=1)  # (M,) never an atom twice
         idx[:, k] = j
         taken[rows, j] = True
         w = U[rows, :k, j]                                    # (M, k) new Cholesky row = earlier q's against atom j
-        gj = G[rows, j] if batched else G[j]                  # (M, N) Gram row of the new atom
-        gjj = gdiag[rows, j] if batched else gdiag[j]         # (M,)
-        d2 = gjj - (w * w).sum(1)                             # (M,) squared distance of atom j to span(I)
+        if pool is not None:
+            gj = flat[(pool[rows, j] * N).unsqueeze(1) + pool]  # (M, P) Gram row of the new atom, on the pool
+        else:
+            gj = G[j]                                         # (M, N)
+        d2 = gdiag[rows, j] - (w * w).sum(1)                  # (M,) squared distance of atom j to span(I)
         ok = d2 > _DEPENDENT
         diag = torch.where(ok, d2.clamp_min(_DEPENDENT).sqrt(), torch.ones_like(d2))
-        u = gj - torch.bmm(w.unsqueeze(1), U[:, :k]).squeeze(1) if k else gj.clone()  # (M, N)
+        u = gj - torch.bmm(w.unsqueeze(1), U[:, :k]).squeeze(1) if k else gj  # (M, P)
         u = torch.where(ok.unsqueeze(1), u / diag.unsqueeze(1), torch.zeros_like(u))
         zk = torch.where(ok, alpha[rows, j] / diag, torch.zeros_like(d2))  # (M,)
         U[:, k] = u
@@ -78,7 +98,7 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int) -> tuple[to
         alpha -= zk.unsqueeze(1) * u
     # L Lᵀ coef = c0[I] and L z = c0[I]  =>  Lᵀ coef = z
     coef = torch.linalg.solve_triangular(Lw.transpose(1, 2), z.unsqueeze(2), upper=True).squeeze(2)  # (M, s)
-    return idx, coef
+    return (idx, coef, (Lw, z)) if return_state else (idx, coef)
 
 
 @torch.no_grad()

@@ -2,14 +2,15 @@
 
 OMP (omp.py) rescans all N atoms at each of its s steps; at decode time that is the cost FAD-KV removes. Screening
 computes the correlations |D x| once, keeps the n most correlated atoms as a candidate pool, and runs the same
-correlation-domain Cholesky pursuit as omp.py on the pool: the pool's sub-Gram G[pool, pool] is gathered from the
-precomputed Gram matrix, so each step touches n entries instead of N.
+correlation-domain Cholesky pursuit as omp.py on the pool: each step gathers the new atom's Gram entries on the pool
+from the precomputed Gram matrix, so it touches n entries instead of N (and no n x n sub-Gram is ever formed).
 
 Measured on SmolLM2 keys (layer 10, N=1024, s=8), the atoms OMP picks at steps 4-8 rank in the hundreds by the
 initial |D x| (median rank 60-300): no one-shot pool holds them, which is why one-shot screening stays ~25% above
 OMP's error whatever the refinement (least squares + keep s largest was worse still, 0.37 vs 0.26 in MEASURED.md).
 `shots=2` (default) screens twice: pursue s // 2 atoms on the first pool, form the residual, screen the residual's
-correlations for n fresh candidates, and pursue all s atoms on the union. That is two matmuls and two top-n
+correlations for n fresh candidates, and resume the same pursuit (its Cholesky state carried over) for the
+remaining steps on the fresh candidates. That is two matmuls and two top-n
 selections instead of OMP's s full passes over N. `shots=1` is the plain one-shot FAD-KV coder.
 """
 from __future__ import annotations
@@ -21,11 +22,43 @@ from kvzip.sparse.omp import _check, default_chunk, gram_matrix, omp_from_correl
 SHOTS = (1, 2)
 
 
-def _pool_omp(c0: torch.Tensor, G: torch.Tensor, pool: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_abs(c: torch.Tensor, n: int, groups: int = 128) -> torch.Tensor:
+    """Column numbers (m, n) of the n largest |c| in each row of c (m, N), in no particular order; exact.
+
+    torch's CPU topk costs ~10 ns per element for a small n, more than the matmul that made c. Instead: split the
+    columns into `groups` interleaved groups ({g, g + groups, g + 2 groups, ...}: contiguous reductions), take each
+    group's largest |c|, keep the n groups with the largest maxima, and run topk on their n * N / groups members
+    only. Exact, since each of the n largest entries sits in a group whose maximum is at least the n-th largest
+    entry, and at most n groups have such a maximum (ties aside).
+    """
+    m, N = c.shape
+    if N % groups or groups <= n or N // groups < 2:
+        return c.abs().topk(n, dim=1, sorted=False).indices
+    v = c.view(m, N // groups, groups)
+    gmax = torch.maximum(v.amax(dim=1), -v.amin(dim=1))      # (m, groups) largest |c| of each group
+    g = gmax.topk(n, dim=1, sorted=False).indices            # (m, n) the groups holding the n largest
+    members = (g.unsqueeze(2) + groups * torch.arange(N // groups, device=c.device)).flatten(1)  # (m, n * N/groups)
+    return members.gather(1, c.gather(1, members).abs().topk(n, dim=1, sorted=False).indices)
+
+
+def _pool_omp(c0: torch.Tensor, G: torch.Tensor, pool: torch.Tensor, k: int, **kw):
     """OMP for k steps on each row's pool (m, p) of atoms, given full correlations c0 (m, N) and Gram G (N, N)."""
-    Gp = G[pool.unsqueeze(2), pool.unsqueeze(1)]              # (m, p, p) sub-Gram of each pool
-    i, a = omp_from_correlations(c0.gather(1, pool), Gp, k)   # (m, k) positions in the pool, coefficients
-    return pool.gather(1, i), a
+    i, *rest = omp_from_correlations(c0.gather(1, pool), G, k, pool, **kw)  # (m, k) positions in the pool
+    return (pool.gather(1, i), *rest)
+
+
+def _second_shot(xc, Df, G, first, a, state, n):
+    """Screen the residual of the first k atoms for n fresh candidates and resume the pursuit there: returns the
+    pool [first, fresh] (m, k + n), its residual correlations and the resumed state (U0, L0, z0)."""
+    N = G.shape[0]
+    L, z = state                                              # (m, k, k), (m, k)
+    c1 = (xc - reconstruct(Df, first, a)) @ Df.T              # (m, N) correlations of the residual
+    c1.scatter_(1, first, 0.0)                                # picked atoms are orthogonal to it
+    fresh = top_abs(c1, min(n, N - first.shape[1]))          # (m, n)
+    g = G.reshape(-1)[(first * N).unsqueeze(2) + fresh.unsqueeze(1)]  # (m, k, n) Gram entries picked x fresh
+    U0 = torch.cat([L.transpose(1, 2), torch.linalg.solve_triangular(L, g, upper=False)], 2)  # (m, k, k + n)
+    alpha = torch.cat([torch.zeros_like(a), c1.gather(1, fresh)], 1)  # (m, k + n)
+    return torch.cat([first, fresh], 1), alpha, (U0, L, z)
 
 
 @torch.no_grad()
@@ -43,18 +76,19 @@ def screen(x: torch.Tensor, D: torch.Tensor, s: int, n: int = 16, gram: torch.Te
     n = min(max(n, s), N)
     G = gram_matrix(D) if gram is None else gram.float()
     Df = D.float()
-    chunk = chunk or default_chunk(x.device, 4 * N + (n + s) ** 2)  # ~450 rows on CPU: measured 1.4x faster than 4096
+    chunk = chunk or default_chunk(x.device, N)  # 2048 rows on CPU: measured ~10% faster than 512
     idx_out, coef_out = [], []
     for c in range(0, max(x.shape[0], 1), chunk):
         xc = x[c:c + chunk].float()                           # (m, d)
         c0 = xc @ Df.T                                        # (m, N) correlations with every atom
-        pool = c0.abs().topk(n, dim=1).indices                # (m, n) first candidate pool
+        pool = top_abs(c0, n)                                 # (m, n) first candidate pool
         if shots == 2 and s >= 2 and n < N:
-            first, a = _pool_omp(c0, G, pool, s // 2)         # (m, s//2)
-            c1 = (xc - reconstruct(Df, first, a)) @ Df.T      # (m, N) correlations of the residual
-            c1.scatter_(1, first, 0.0)                        # already picked atoms are orthogonal to it
-            pool = torch.cat([first, c1.abs().topk(min(n, N - s // 2), dim=1).indices], 1)  # (m, s//2 + n)
-        i, a = _pool_omp(c0, G, pool, s)                      # (m, s)
+            first, a, state = _pool_omp(c0, G, pool, s // 2, return_state=True)  # (m, s//2) atoms, coefficients
+            pool, alpha, start = _second_shot(xc, Df, G, first, a, state, n)
+            pos, a = omp_from_correlations(alpha, G, s, pool, start=start)  # steps s//2 .. s-1 on the fresh pool
+            i = pool.gather(1, pos)
+        else:
+            i, a = _pool_omp(c0, G, pool, s)                  # (m, s)
         idx_out.append(i)
         coef_out.append(a)
     return torch.cat(idx_out), torch.cat(coef_out).to(x.dtype)
