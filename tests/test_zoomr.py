@@ -66,7 +66,7 @@ def test_index_key_is_mean_of_summary_keys_and_detail_is_on_host(tiny, tokenizer
         hk, hv = layer0._load(0, t)
         assert hk.shape == (2, e - s, 16)
         assert torch.allclose(hk, ref[0, :, s:e], atol=1e-5)
-        assert torch.allclose(layer0.index[0][t], ref[0, :, layer0.summary_pos[0][t]].mean(1), atol=1e-5)
+        assert torch.allclose(layer0.index[0][t], ref[0, :, layer0.summary_pos[0][t]].mean(1, keepdim=True), atol=1e-5)
     detail = sum(2 * (e - s) * 2 * 16 * 4 for s, e in row.thoughts) * len(cache.layers)
     assert cache.memory()["host"] == detail
 
@@ -77,7 +77,7 @@ def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
     layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
     g = torch.Generator().manual_seed(0)
     keys = [torch.nn.functional.normalize(torch.randn(2, 16, generator=g), dim=-1) for _ in range(5)]
-    layer.index[0] = keys
+    layer.index[0] = [k[:, None] for k in keys]  # (Hkv, 1, d): index=mean stores one key per thought and head
     from kvzip.methods.zoomr import Row
 
     cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
@@ -87,6 +87,24 @@ def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
     layer._vote(query)
     assert cache.votes.argmax().item() == 3 and cache.votes[0, 3] == 4  # 4 query heads, 1 vote each
     assert cache._select() and cache.rows[0].zoom == [3]
+
+
+def test_index_max_scores_a_thought_by_its_best_matching_summary_key(tiny):
+    """index=max: thought 1 holds, among two summary keys, the one the query points at; its mean would not win."""
+    cache = get_method("zoomr", {"k": "1", "c": "1", "index": "max"}).make_cache(tiny)
+    layer = cache.layers[0]
+    layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
+    target = torch.nn.functional.normalize(torch.ones(2, 16), dim=-1)
+    decoy = 0.6 * target  # a thought whose summary keys all lean towards the query, none matching it closely
+    layer.index[0] = [torch.stack([decoy, decoy], 1), torch.stack([target, -target], 1), torch.stack([decoy, -decoy], 1)]
+    from kvzip.methods.zoomr import Row
+
+    cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
+    cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(3)]
+    cache.voting, cache.any_voting = torch.ones(1, dtype=torch.bool), True
+    query = (10 * target).repeat_interleave(2, dim=0)[None]
+    layer._vote(query)
+    assert cache.votes.argmax().item() == 1  # the mean of thought 1's keys is 0: index=mean would rank it last
 
 
 def test_zooming_in_on_every_thought_equals_full(tiny, tokenizer):

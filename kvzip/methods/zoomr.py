@@ -2,8 +2,10 @@
 
 Reasoning is cut into thoughts while decoding (`on_step` watches each row's text; a thought ends at a paragraph break
 by default). Each finished thought keeps a summary on the device: `r` representative tokens (`summary=pooled`,
-training-free) or the tokens the model wrote between summary markers (`summary=generated`). Its index key is the mean
-of its summary keys, per layer and KV head. Every thought's full K/V (the detail) goes off the device (`detail=host`:
+training-free) or the tokens the model wrote between summary markers (`summary=generated`). Its index is the mean
+of its summary keys per layer and KV head (`index=mean`), or the summary keys themselves (`index=max`: a thought
+scores the largest of the query's logits with its summary keys, i.e. the attention logits the model itself computes
+for those tokens, rather than the logit of a mean of keys rotated to different positions). Every thought's full K/V (the detail) goes off the device (`detail=host`:
 CPU memory, pinned with non-blocking copies on CUDA; `detail=fadkv`: the same, as sparse codes over the FAD-KV
 dictionary of kvzip/methods/fadkv.py, ~8x fewer host bytes, reconstructed with coding error when zoomed in).
 
@@ -74,9 +76,9 @@ class ZoomRLayer(KVLayer):
         self.pos = torch.empty(self.batch, 0, dtype=torch.long, device=self.device)  # (B, S), -1 = empty slot
         self.received = torch.empty(self.batch, 0, device=self.device)  # (B, S) attention received (pick=attention)
         self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
-        self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key
+        self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, 1 or r, d) index keys
         self.detail = [[] for _ in range(self.batch)]  # per row, per thought: K and V parts off the device
-        self.stacked = None  # (index keys (B, Hkv, T, d), valid (B, T)) built lazily
+        self.stacked = None  # (index keys (B, Hkv, T, R, d), valid (B, T, R)) built lazily
         self.host_bytes = 0
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -148,7 +150,8 @@ class ZoomRLayer(KVLayer):
                 score = self.received[b, slots] if c.method.pick == "attention" else self.keys[b, :, slots].norm(dim=-1).sum(0)
                 keep = slots[score.topk(r).indices.sort().values]
         self.summary_pos[b].append(self.pos[b, keep])
-        self.index[b].append(self.keys[b, :, keep].mean(1))  # (Hkv, d)
+        summary = self.keys[b, :, keep]  # (Hkv, r, d)
+        self.index[b].append(summary if c.method.index == "max" else summary.mean(1, keepdim=True))  # (Hkv, r or 1, d)
         self.stacked = None
         if c.keep_detail:
             self.detail[b].append(self._store(self.keys[b, :, slots], self.values[b, :, slots]))
@@ -183,16 +186,18 @@ class ZoomRLayer(KVLayer):
             n = max(len(ix) for ix in self.index)
             if n == 0:
                 return
-            keys = q.new_zeros(self.batch, self.kv_heads, n, self.head_dim)
-            valid = torch.zeros(self.batch, n, dtype=torch.bool, device=q.device)
+            r = max(x.shape[1] for ix in self.index for x in ix)
+            keys = q.new_zeros(self.batch, self.kv_heads, n, r, self.head_dim)
+            valid = torch.zeros(self.batch, n, r, dtype=torch.bool, device=q.device)
             for b, ix in enumerate(self.index):
-                if ix:
-                    keys[b, :, : len(ix)] = torch.stack(ix, dim=1)
-                    valid[b, : len(ix)] = True
+                for t, x in enumerate(ix):
+                    keys[b, :, t, : x.shape[1]] = x
+                    valid[b, t, : x.shape[1]] = True
             self.stacked = (keys, valid)
-        keys, valid = self.stacked  # (B, Hkv, T, d), (B, T)
-        k = keys.repeat_interleave(q.shape[1] // self.kv_heads, dim=1)  # (B, Hq, T, d)
-        scores = torch.einsum("bhd,bhtd->bht", q, k).masked_fill(~valid[:, None, :], float("-inf"))
+        keys, valid = self.stacked  # (B, Hkv, T, R, d), (B, T, R)
+        k = keys.repeat_interleave(q.shape[1] // self.kv_heads, dim=1)  # (B, Hq, T, R, d)
+        scores = torch.einsum("bhd,bhtrd->bhtr", q, k).masked_fill(~valid[:, None], float("-inf")).amax(-1)  # (B, Hq, T)
+        valid = valid.any(-1)  # (B, T)
         top = scores.topk(min(c.method.k, keys.shape[2]), dim=-1).indices  # (B, Hq, k)
         hits = valid.gather(1, top.flatten(1)) & c.voting[:, None]  # (B, Hq*k) only real thoughts, voting rows
         c.tally(top.flatten(1), hits.float())
@@ -384,6 +389,7 @@ class ThoughtOptions(Method):
 
     summary_mode: str = "pooled"
     pick: str = "norm"
+    index: str = "mean"
     r: int = 4
     window: int = 128
     boundary: str = "\\n\\n"
@@ -395,6 +401,7 @@ class ThoughtOptions(Method):
     def __post_init__(self):
         check_choice("summary_mode", self.summary_mode, ("pooled", "generated"))
         check_choice("pick", self.pick, ("norm", "attention", "even"))
+        check_choice("index", self.index, ("mean", "max"))
         check_positive(r=self.r, window=self.window, min_thought=self.min_thought)
         if self.max_thought < self.min_thought:
             raise ValueError(f"max_thought ({self.max_thought}) must be >= min_thought ({self.min_thought})")
