@@ -187,3 +187,16 @@ def test_fadkv_detail_codes_the_host_tier(tiny, tokenizer, tiny_dictionaries):
     assert ((k_coded - k_dense).norm() / k_dense.norm()) < 0.9
     with pytest.raises(UserError, match="needs a dictionary"):
         get_method("zoomr", {"detail": "fadkv"}).make_cache(tiny, None)
+
+
+def test_unrotate_inverts_the_models_rope(tiny):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from kvzip.methods.zoomr import rope_frequencies, unrotate
+
+    x = torch.randn(1, 2, 5, 16)
+    pos = torch.tensor([[0, 3, 7, 100, 4000]])
+    cos, sin = tiny.model.rotary_emb(x, pos)
+    rotated, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    assert torch.allclose(unrotate(rotated, pos[0], rope_frequencies(tiny)), x, atol=1e-4)
+    assert not torch.allclose(rotated, x, atol=1e-2)

@@ -310,6 +310,7 @@ class FadkvCache(KVCache):
             "mean_residual": round(sum(lay.residual_sum for lay in layers) / coded_vecs, 4) if coded_vecs else 0.0,
             "atoms_replaced": sum(lay.replaced for lay in layers),
             "atoms_active": round(active / (2 * len(layers) * layers[0].batch), 1),
+            "dictionary_atoms": max(lay._n_total(k) for lay in layers for k in "kv"),  # per layer and kind, as a row sees it
             "coding_ms_per_token": round(1000 * sum(lay.coding_s for lay in layers) / max(coded_tokens * layers[0].batch, 1), 3),
             "dictionary_shared_bytes": self.method.shared_bytes,
         }

@@ -37,6 +37,19 @@ from kvzip.sparse.omp import omp, reconstruct
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]?\s")
 
 
+def unrotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Undo RoPE: x (..., n, d) rotated at positions pos (n,) (or x (B, ..., d) with pos (B,)) back to its content.
+
+    Llama-style rotary pairs channel i with i + d/2 and turns each pair by pos * inv_freq[i]; turning back by the same
+    angle gives the vector as the projection wrote it, so dot products no longer depend on the two positions.
+    """
+    ang = pos.float()[..., None] * inv_freq.float()                       # (..., d/2)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    half = x.shape[-1] // 2
+    turned = torch.cat([x[..., half:], -x[..., :half]], -1)               # -rotate_half(x)
+    return (x.float() * cos + turned.float() * sin).to(x.dtype)
+
+
 def parse_boundary(spec: str) -> tuple[tuple[str, ...], frozenset[int]]:
     """'\\n\\n|id:198' -> (strings, token ids): items split on '|', backslash escapes decoded, 'id:N' is a token id."""
     strings, ids = [], set()
@@ -151,6 +164,8 @@ class ZoomRLayer(KVLayer):
                 keep = slots[score.topk(r).indices.sort().values]
         self.summary_pos[b].append(self.pos[b, keep])
         summary = self.keys[b, :, keep]  # (Hkv, r, d)
+        if c.inv_freq is not None:  # index_space=content: the keys as k_proj wrote them, before the rotation
+            summary = unrotate(summary, self.pos[b, keep], c.inv_freq)
         self.index[b].append(summary if c.method.index == "max" else summary.mean(1, keepdim=True))  # (Hkv, r or 1, d)
         self.stacked = None
         if c.keep_detail:
@@ -195,6 +210,8 @@ class ZoomRLayer(KVLayer):
                     valid[b, t, : x.shape[1]] = True
             self.stacked = (keys, valid)
         keys, valid = self.stacked  # (B, Hkv, T, R, d), (B, T, R)
+        if c.inv_freq is not None:  # the query turned back too: content against content, no relative position
+            q = unrotate(q.transpose(0, 1), self.pos[:, -1], c.inv_freq).transpose(0, 1)
         k = keys.repeat_interleave(q.shape[1] // self.kv_heads, dim=1)  # (B, Hq, T, R, d)
         scores = torch.einsum("bhd,bhtrd->bhtr", q, k).masked_fill(~valid[:, None], float("-inf")).amax(-1)  # (B, Hq, T)
         valid = valid.any(-1)  # (B, T)
@@ -252,8 +269,10 @@ class ZoomRLayer(KVLayer):
 class ZoomRCache(KVCache):
     """Cache-level state shared by the layers: segmentation (on_step), the vote tally, the zoom sets."""
 
-    def __init__(self, method, layers: int, zoom: bool = True, keep_detail: bool = True, coder=None, sparsity=0):
+    def __init__(self, method, layers: int, zoom: bool = True, keep_detail: bool = True, coder=None, sparsity=0,
+                 inv_freq=None):
         self.zoom_enabled, self.keep_detail = zoom, keep_detail
+        self.inv_freq = inv_freq  # RoPE frequencies (d/2,) when the index is scored in content space
         self.coder, self.sparsity = coder, sparsity  # per layer (D_k, D_v, G_k, G_v, key mean) for detail=fadkv
         self.method_pick_attention = method.pick == "attention"
         self.strings, self.ids = parse_boundary(method.boundary)
@@ -390,6 +409,7 @@ class ThoughtOptions(Method):
     summary_mode: str = "pooled"
     pick: str = "norm"
     index: str = "mean"
+    index_space: str = "rotated"
     r: int = 4
     window: int = 128
     boundary: str = "\\n\\n"
@@ -402,6 +422,7 @@ class ThoughtOptions(Method):
         check_choice("summary_mode", self.summary_mode, ("pooled", "generated"))
         check_choice("pick", self.pick, ("norm", "attention", "even"))
         check_choice("index", self.index, ("mean", "max"))
+        check_choice("index_space", self.index_space, ("rotated", "content"))
         check_positive(r=self.r, window=self.window, min_thought=self.min_thought)
         if self.max_thought < self.min_thought:
             raise ValueError(f"max_thought ({self.max_thought}) must be >= min_thought ({self.min_thought})")
@@ -441,8 +462,9 @@ class ZoomR(ThoughtOptions):
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
+        inv_freq = rope_frequencies(model) if self.index_space == "content" else None
         if self.detail == "host":
-            return ZoomRCache(self, layers)
+            return ZoomRCache(self, layers, inv_freq=inv_freq)
         from kvzip.methods.fadkv import _prepare
 
         if dictionaries is None:
@@ -450,4 +472,13 @@ class ZoomR(ThoughtOptions):
         if dictionaries.meta.get("keys", "post-rope") != "post-rope":
             raise UserError("zoomr detail=fadkv codes post-RoPE keys: train with `kvzip train-dict --keys post-rope`")
         sparsity = int(dictionaries.meta.get("sparsity", 8))  # the sparsity the dictionary was trained for
-        return ZoomRCache(self, layers, coder=_prepare(dictionaries, model.device), sparsity=sparsity)
+        return ZoomRCache(self, layers, coder=_prepare(dictionaries, model.device), sparsity=sparsity, inv_freq=inv_freq)
+
+
+def rope_frequencies(model) -> torch.Tensor:
+    """The model's RoPE inverse frequencies (d/2,), for index_space=content; UserError for a model without them."""
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if inv_freq is None or getattr(rotary, "attention_scaling", 1.0) != 1.0:
+        raise UserError("zoomr index_space=content needs a model with plain RoPE (a rotary_emb with inv_freq)")
+    return inv_freq
