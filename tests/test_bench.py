@@ -169,3 +169,18 @@ def test_full_and_window_on_cuda_report_cuda_memory(tokenizer):
                   if isinstance(e, engine.Result)][0]
         assert len(result.token_ids) == 12
         assert result.stats["cuda_max_memory_allocated"] > 0 and result.stats["kv_bytes"] > 0
+
+
+def test_ctrl_c_keeps_the_records_finished_before_it(tiny, tokenizer, monkeypatch):
+    from kvzip.bench import workloads
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(workloads.RUNNERS, "speed", interrupted)
+    settings = [Setting("full", "full"), Setting("window", "window", TINY_OPTS["window"])]
+    cfg = BenchConfig(workloads=("ppl", "speed"), ppl_contexts=(40,), ppl_positions=12, speed_contexts=(32,),
+                      speed_new_tokens=4, repeats=1)
+    data = run_bench(tiny, tokenizer, ModelSource("tiny", "", False), settings, cfg)
+    assert data["interrupted"] is True
+    assert [(r["label"], r["workload"]) for r in data["results"]] == [("full", "ppl")]
