@@ -57,7 +57,6 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
     """
     M, P = c0.shape
     N = G.shape[0]
-    rows = torch.arange(M, device=c0.device)
     alpha = c0.clone()                                        # (M, P) residual correlations
     U = c0.new_zeros(M, s, P)                                 # (M, s, P) correlations of orthonormalised atoms
     Lw = c0.new_zeros(M, s, s)                                # (M, s, s) Cholesky factor of G[I, I], lower
@@ -66,7 +65,7 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
     taken = torch.zeros(M, P, dtype=torch.bool, device=c0.device)
     if pool is not None:
         flat = G.reshape(-1)
-        gdiag = G.diagonal()[pool]                            # (M, P)
+        gdiag = G.diagonal().index_select(0, pool.reshape(-1)).view(M, P)  # (M, P)
     else:
         gdiag = G.diagonal().expand(M, N)
     k0 = 0
@@ -77,20 +76,20 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
         taken[:, :k0] = True
         idx[:, :k0] = torch.arange(k0, device=c0.device)
     for k in range(k0, s):
-        j = alpha.abs().masked_fill(taken, -1.0).argmax(dim=1)  # (M,) never an atom twice
-        idx[:, k] = j
-        taken[rows, j] = True
-        w = U[rows, :k, j]                                    # (M, k) new Cholesky row = earlier q's against atom j
-        if pool is not None:
-            gj = flat[(pool[rows, j] * N).unsqueeze(1) + pool]  # (M, P) Gram row of the new atom, on the pool
+        j1 = alpha.abs().masked_fill(taken, -1.0).argmax(dim=1, keepdim=True)  # (M, 1) never an atom twice
+        idx[:, k] = j1.squeeze(1)
+        taken.scatter_(1, j1, True)
+        w = U[:, :k].gather(2, j1.unsqueeze(1).expand(M, k, 1)).squeeze(2)  # (M, k) new Cholesky row: earlier q's vs j
+        if pool is not None:  # (M, P) Gram row of the new atom, on the pool
+            gj = flat.index_select(0, ((pool.gather(1, j1) * N) + pool).flatten()).view(M, P)
         else:
-            gj = G[j]                                         # (M, N)
-        d2 = gdiag[rows, j] - (w * w).sum(1)                  # (M,) squared distance of atom j to span(I)
+            gj = G.index_select(0, j1.squeeze(1))             # (M, N)
+        d2 = gdiag.gather(1, j1).squeeze(1) - (w * w).sum(1)  # (M,) squared distance of atom j to span(I)
         ok = d2 > _DEPENDENT
         diag = torch.where(ok, d2.clamp_min(_DEPENDENT).sqrt(), torch.ones_like(d2))
         u = gj - torch.bmm(w.unsqueeze(1), U[:, :k]).squeeze(1) if k else gj  # (M, P)
         u = torch.where(ok.unsqueeze(1), u / diag.unsqueeze(1), torch.zeros_like(u))
-        zk = torch.where(ok, alpha[rows, j] / diag, torch.zeros_like(d2))  # (M,)
+        zk = torch.where(ok, alpha.gather(1, j1).squeeze(1) / diag, torch.zeros_like(d2))  # (M,)
         U[:, k] = u
         Lw[:, k, :k] = torch.where(ok.unsqueeze(1), w, torch.zeros_like(w))
         Lw[:, k, k] = diag
@@ -126,4 +125,5 @@ def omp(x: torch.Tensor, D: torch.Tensor, s: int, gram: torch.Tensor | None = No
 
 def reconstruct(D: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """Dense vectors (M, d) from codes idx, coef (M, s) over dictionary D (N, d)."""
-    return torch.einsum("ms,msd->md", coef.float(), D.float()[idx])  # (M, d)
+    atoms = D.float().index_select(0, idx.reshape(-1)).view(*idx.shape, D.shape[1])  # (M, s, d)
+    return torch.einsum("ms,msd->md", coef.float(), atoms)  # (M, d)
