@@ -26,6 +26,7 @@ import typer
 from kvzip.cli import display
 from kvzip.cli.options import DictPath, Device, Dtype, Model, TrustRemoteCode
 from kvzip.errors import UserError
+from kvzip.files import publish
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -89,7 +90,7 @@ def _save_plot(data: dict, path: Path) -> list[str]:
     os.close(fd)
     try:
         front = plot(data, tmp)
-        os.replace(tmp, path)
+        publish(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

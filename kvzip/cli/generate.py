@@ -13,6 +13,7 @@ import typer
 from kvzip.cli import display
 from kvzip.cli.options import DictPath, Device, Dtype, MethodName, Model, Opts, TrustRemoteCode, parse_opts
 from kvzip.errors import UserError
+from kvzip.files import publish
 
 
 def read_jsonl_prompts(path: Path) -> list:
@@ -47,7 +48,7 @@ def write_atomic(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kvzip.files import publish
+
 FORMAT_VERSION = "1"
 FINGERPRINT_KEYS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "rope_theta", "config_hash")
 KEY_MODES = ("pre-rope", "post-rope")
@@ -91,7 +93,7 @@ class KVDictionary:
             save_file(tensors, tmp, metadata=meta)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            publish(tmp, path)
         except BaseException:                                 # KeyboardInterrupt included: no partial files
             if os.path.exists(tmp):
                 os.remove(tmp)
