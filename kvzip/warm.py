@@ -117,13 +117,7 @@ def _run_remote(argv: list[str]) -> int | None:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
-    while True:
-        try:
-            line = reader.readline()
-            break
-        except InterruptedError:
-            continue
-    words = line.split()
+    words = reader.readline().split()  # a forwarded signal interrupts nothing: the read is retried (PEP 475)
     if len(words) == 2 and words[0] == "exit":
         return int(words[1])
     print("kvzip: error: the warm process ended without an exit code (killed?)", file=sys.stderr)

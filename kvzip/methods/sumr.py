@@ -23,6 +23,8 @@ class SumR(ThoughtOptions):
     k: typing.ClassVar[int] = 0
     c: typing.ClassVar[int] = 0
     select: typing.ClassVar[str] = "thought"
+    index: typing.ClassVar[str] = "mean"  # sumr never votes, so how its index is scored does not matter
+    index_space: typing.ClassVar[str] = "rotated"
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)

@@ -5,7 +5,8 @@ by default). Each finished thought keeps a summary on the device: `r` representa
 training-free) or the tokens the model wrote between summary markers (`summary=generated`). Its index is the mean
 of its summary keys per layer and KV head (`index=mean`), or the summary keys themselves (`index=max`: a thought
 scores the largest of the query's logits with its summary keys, i.e. the attention logits the model itself computes
-for those tokens, rather than the logit of a mean of keys rotated to different positions). Every thought's full K/V (the detail) goes off the device (`detail=host`:
+for those tokens, rather than the logit of a mean of keys rotated to different positions); `index_space=content`
+scores with RoPE undone on both sides. Every thought's full K/V (the detail) goes off the device (`detail=host`:
 CPU memory, pinned with non-blocking copies on CUDA; `detail=fadkv`: the same, as sparse codes over the FAD-KV
 dictionary of kvzip/methods/fadkv.py, ~8x fewer host bytes, reconstructed with coding error when zoomed in).
 
@@ -44,7 +45,8 @@ def unrotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torc
     angle gives the vector as the projection wrote it, so dot products no longer depend on the two positions.
     """
     ang = pos.float()[..., None] * inv_freq.float()                       # (..., d/2)
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    ang = torch.cat([ang, ang], -1)                                       # (..., d)
+    cos, sin = ang.cos(), ang.sin()
     half = x.shape[-1] // 2
     turned = torch.cat([x[..., half:], -x[..., :half]], -1)               # -rotate_half(x)
     return (x.float() * cos + turned.float() * sin).to(x.dtype)
@@ -408,8 +410,6 @@ class ThoughtOptions(Method):
 
     summary_mode: str = "pooled"
     pick: str = "norm"
-    index: str = "mean"
-    index_space: str = "rotated"
     r: int = 4
     window: int = 128
     boundary: str = "\\n\\n"
@@ -421,8 +421,6 @@ class ThoughtOptions(Method):
     def __post_init__(self):
         check_choice("summary_mode", self.summary_mode, ("pooled", "generated"))
         check_choice("pick", self.pick, ("norm", "attention", "even"))
-        check_choice("index", self.index, ("mean", "max"))
-        check_choice("index_space", self.index_space, ("rotated", "content"))
         check_positive(r=self.r, window=self.window, min_thought=self.min_thought)
         if self.max_thought < self.min_thought:
             raise ValueError(f"max_thought ({self.max_thought}) must be >= min_thought ({self.min_thought})")
@@ -449,9 +447,13 @@ class ZoomR(ThoughtOptions):
     c: int = 2
     select: str = "sentence"
     detail: str = "host"
+    index: str = "mean"
+    index_space: str = "rotated"
 
     def __post_init__(self):
         super().__post_init__()
+        check_choice("index", self.index, ("mean", "max"))
+        check_choice("index_space", self.index_space, ("rotated", "content"))
         check_choice("select", self.select, ("sentence", "thought", "token"))
         check_choice("detail", self.detail, ("host", "fadkv"))
         check_positive(k=self.k, c=self.c)

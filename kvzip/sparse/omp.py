@@ -28,6 +28,12 @@ def gram_matrix(D: torch.Tensor) -> torch.Tensor:
     return Df @ Df.T  # (N, N)
 
 
+def gram_entries(G: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """G[a[m, i], b[m, j]] for atom numbers a (M, k) and b (M, p): (M, k, p), read from the flat Gram matrix."""
+    idx = a.unsqueeze(2) * G.shape[0] + b.unsqueeze(1)        # (M, k, p)
+    return G.reshape(-1).index_select(0, idx.reshape(-1)).view(idx.shape)
+
+
 def default_chunk(device: torch.device, per_row: int) -> int:
     """Rows per chunk so that a (chunk, per_row) fp32 workspace is ~8 MB on CPU, ~1 GB on an accelerator."""
     budget = 2 ** 21 if torch.device(device).type == "cpu" else 2 ** 28
@@ -64,7 +70,6 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
     idx = torch.empty(M, s, dtype=torch.long, device=c0.device)
     taken = torch.zeros(M, P, dtype=torch.bool, device=c0.device)
     if pool is not None:
-        flat = G.reshape(-1)
         gdiag = G.diagonal().index_select(0, pool.reshape(-1)).view(M, P)  # (M, P)
     else:
         gdiag = G.diagonal().expand(M, N)
@@ -81,7 +86,7 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
         taken.scatter_(1, j1, True)
         w = U[:, :k].gather(2, j1.unsqueeze(1).expand(M, k, 1)).squeeze(2)  # (M, k) new Cholesky row: earlier q's vs j
         if pool is not None:  # (M, P) Gram row of the new atom, on the pool
-            gj = flat.index_select(0, ((pool.gather(1, j1) * N) + pool).flatten()).view(M, P)
+            gj = gram_entries(G, pool.gather(1, j1), pool).squeeze(1)
         else:
             gj = G.index_select(0, j1.squeeze(1))             # (M, N)
         d2 = gdiag.gather(1, j1).squeeze(1) - (w * w).sum(1)  # (M,) squared distance of atom j to span(I)

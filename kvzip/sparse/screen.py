@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvzip.sparse.omp import _check, default_chunk, gram_matrix, omp_from_correlations, reconstruct
+from kvzip.sparse.omp import _check, default_chunk, gram_entries, gram_matrix, omp_from_correlations, reconstruct
 
 SHOTS = (1, 2)
 
@@ -55,7 +55,7 @@ def _second_shot(xc, Df, G, first, a, state, n):
     c1 = (xc - reconstruct(Df, first, a)) @ Df.T              # (m, N) correlations of the residual
     c1.scatter_(1, first, 0.0)                                # picked atoms are orthogonal to it
     fresh = top_abs(c1, min(n, N - first.shape[1]))          # (m, n)
-    g = G.reshape(-1)[(first * N).unsqueeze(2) + fresh.unsqueeze(1)]  # (m, k, n) Gram entries picked x fresh
+    g = gram_entries(G, first, fresh)                         # (m, k, n) Gram entries picked x fresh
     U0 = torch.cat([L.transpose(1, 2), torch.linalg.solve_triangular(L, g, upper=False)], 2)  # (m, k, k + n)
     alpha = torch.cat([torch.zeros_like(a), c1.gather(1, fresh)], 1)  # (m, k + n)
     return torch.cat([first, fresh], 1), alpha, (U0, L, z)
