@@ -81,7 +81,8 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
         taken[:, :k0] = True
         idx[:, :k0] = torch.arange(k0, device=c0.device)
     for k in range(k0, s):
-        j1 = alpha.abs().masked_fill(taken, -1.0).argmax(dim=1, keepdim=True)  # (M, 1) never an atom twice
+        # (M, 1) never an atom twice; max(dim).indices: same answer as argmax, measured 1.4x faster on CPU
+        j1 = alpha.abs().masked_fill(taken, -1.0).max(dim=1, keepdim=True).indices
         idx[:, k] = j1.squeeze(1)
         taken.scatter_(1, j1, True)
         w = U[:, :k].gather(2, j1.unsqueeze(1).expand(M, k, 1)).squeeze(2)  # (M, k) new Cholesky row: earlier q's vs j
@@ -92,9 +93,15 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
         d2 = gdiag.gather(1, j1).squeeze(1) - (w * w).sum(1)  # (M,) squared distance of atom j to span(I)
         ok = d2 > _DEPENDENT
         diag = torch.where(ok, d2.clamp_min(_DEPENDENT).sqrt(), torch.ones_like(d2))
-        u = gj - torch.bmm(w.unsqueeze(1), U[:, :k]).squeeze(1) if k else gj  # (M, P)
-        u = torch.where(ok.unsqueeze(1), u / diag.unsqueeze(1), torch.zeros_like(u))
-        zk = torch.where(ok, alpha.gather(1, j1).squeeze(1) / diag, torch.zeros_like(d2))  # (M,)
+        if k == 0:
+            u = gj                                            # (M, P)
+        elif P <= 64:  # small pools (screen.py): broadcast-multiply-sum beats M tiny batched matmuls on CPU
+            u = gj - (w.unsqueeze(2) * U[:, :k]).sum(1)
+        else:
+            u = gj - torch.bmm(w.unsqueeze(1), U[:, :k]).squeeze(1)
+        inv = ok / diag                                       # (M,) 1 / diag, 0 for a dependent atom
+        u = u * inv.unsqueeze(1)                              # (M, P)
+        zk = alpha.gather(1, j1).squeeze(1) * inv             # (M,)
         U[:, k] = u
         Lw[:, k, :k] = torch.where(ok.unsqueeze(1), w, torch.zeros_like(w))
         Lw[:, k, k] = diag
