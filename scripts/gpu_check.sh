@@ -5,8 +5,9 @@
 #   2. the GPU-marked tests (`pytest -m gpu`: every method on CUDA in bf16, full == transformers greedy on CUDA);
 #   3. `kvzip generate --device cuda` on the default model with fadkv and zoomr (CLI path, JSON kept);
 #   4. `kvzip bench --quick --device cuda` (every method on the real model; JSON, table and plot);
-#   5. the full-size `kvzip bench --device cuda`, stopped with SIGINT after $KVZIP_BENCH_LIMIT seconds (default 240):
-#      the bench keeps every record finished before the interrupt, so what it measured is written either way.
+#   5. only when KVZIP_BENCH_LIMIT is set (seconds): the full-size `kvzip bench --device cuda`, stopped with SIGINT
+#      after that many seconds; the bench keeps every record finished before the interrupt. Off by default, so that
+#      steps 1-4 stay within the issue's five-minute budget (the H200 run of 2026-11-30: quick bench 252 s).
 # Exit code: non-zero when a step fails (a full bench cut short by the limit is not a failure); every step runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,12 +42,15 @@ step "kvzip bench --quick --device cuda"
 "$PY" -m kvzip.cli bench --quick --device cuda --json "$OUT/bench_quick_cuda.json" --plot "$OUT/bench_quick_cuda.png" \
   2>&1 | tee "$OUT/bench_quick_cuda.txt" || status=1
 
-step "kvzip bench --device cuda (full size, limit ${KVZIP_BENCH_LIMIT:-240} s)"
-timeout -s INT "${KVZIP_BENCH_LIMIT:-240}" "$PY" -m kvzip.cli bench --device cuda --json "$OUT/bench_full_cuda.json" \
-  --plot "$OUT/bench_full_cuda.png" > "$OUT/bench_full_cuda.txt" 2>&1
-rc=$?
-tail -40 "$OUT/bench_full_cuda.txt"
-[ $rc = 0 ] || [ $rc = 130 ] || [ $rc = 124 ] || status=1
+if [ -n "${KVZIP_BENCH_LIMIT:-}" ]; then
+  step "kvzip bench --device cuda (full size, limit $KVZIP_BENCH_LIMIT s)"
+  timeout -s INT "$KVZIP_BENCH_LIMIT" "$PY" -m kvzip.cli bench --device cuda --json "$OUT/bench_full_cuda.json" \
+    --plot "$OUT/bench_full_cuda.png" > "$OUT/bench_full_cuda.txt" 2>&1
+  rc=$?
+  tail -40 "$OUT/bench_full_cuda.txt"
+  [ $rc = 0 ] || [ $rc = 130 ] || [ $rc = 124 ] || status=1
+fi
+step "done"
 
-echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED); results in $OUT"
+echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED) in ${SECONDS} s; results in $OUT"
 exit $status
