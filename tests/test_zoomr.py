@@ -107,6 +107,38 @@ def test_index_max_scores_a_thought_by_its_best_matching_summary_key(tiny):
     assert cache.votes.argmax().item() == 1  # the mean of thought 1's keys is 0: index=mean would rank it last
 
 
+def test_novel_pick_keeps_the_tokens_unlike_the_keys_before_the_thought(tiny):
+    """pick=novel: a thought token whose content key (RoPE undone) repeats a prompt key scores ~0; new ones score high."""
+    from kvzip.methods.zoomr import unrotate
+
+    cache = get_method("zoomr", {"pick": "novel", "r": "2"}).make_cache(tiny)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    a, b, c, d, e, f = (torch.randn(2, 1, 16, generator=g) for _ in range(6))  # content keys (Hkv, 1, d)
+    content = torch.cat([a, b, c, d, a, e, b, f], 1)  # prompt: positions 0-3; the thought: 4-7 repeats a and b
+    pos = torch.arange(8)
+    rotated = unrotate(content, -pos, cache.pick_rope)  # turning by -pos is RoPE at pos
+    layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
+    layer.keys, layer.pos = rotated[None], pos[None]
+    score = layer._novelty(0, 4, torch.arange(4, 8))
+    assert score[0] < 1e-4 and score[2] < 1e-4 and score[1] > 0.1 and score[3] > 0.1
+    assert set(score.topk(2).indices.tolist()) == {1, 3}
+
+
+@pytest.mark.parametrize("decay, expect", [(0.0, [2]), (0.5, [1])])
+def test_decay_carries_earlier_votes_into_the_next_selection(tiny, decay, expect):
+    from kvzip.methods.zoomr import Row
+
+    cache = get_method("zoomr", {"c": "1", "decay": str(decay)}).make_cache(tiny)
+    cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
+    cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(3)]
+    cache.votes = torch.tensor([[0.0, 10.0, 0.0]])
+    assert cache._select() and cache.rows[0].zoom == [1]
+    cache.votes = torch.tensor([[0.0, 0.0, 4.0]])  # a weaker vote for thought 2 next: 0.5 * 10 > 4 keeps thought 1
+    cache._select()
+    assert cache.rows[0].zoom == expect
+
+
 def test_zooming_in_on_every_thought_equals_full(tiny, tokenizer):
     """With every thought zoomed in at every step, the active context is everything: logits match full."""
     text = "alpha beta gamma.\n\ndelta epsilon zeta.\n\neta theta iota.\n\nkappa lambda mu nu xi"
@@ -140,9 +172,11 @@ def test_sumr_keeps_no_detail_and_never_zooms(tiny, tokenizer):
     assert cache.memory()["host"] == 0 and cache.rows[0].zoom == [] and len(cache.rows[0].thoughts) == 6
 
 
-@pytest.mark.parametrize("name", ["zoomr", "sumr", "h2o", "zoomr-attention"])
+@pytest.mark.parametrize("name", ["zoomr", "sumr", "h2o", "zoomr-attention", "zoomr-novel"])
 def test_left_padded_batch_matches_rows_one_by_one(tiny, tokenizer, name):
-    opts = {"h2o": {"heavy": "6", "window": "6"}, "zoomr-attention": {**SMALL, "pick": "attention"}}.get(name, SMALL)
+    opts = {"h2o": {"heavy": "6", "window": "6"}, "zoomr-attention": {**SMALL, "pick": "attention"},
+            "zoomr-novel": {**SMALL, "pick": "novel", "select": "token", "decay": "0.8", "index_space": "content"}}
+    opts = opts.get(name, SMALL)
     method = get_method(name.split("-")[0], opts)
     prompts = [tokenizer("a")["input_ids"], tokenizer("a much longer prompt here")["input_ids"]]
     settings = engine.Settings(max_new_tokens=40, ignore_eos=True)
@@ -166,6 +200,8 @@ def test_options_are_validated():
         get_method("zoomr", {"pick": "x"})
     with pytest.raises(UserError, match="max_thought"):
         get_method("sumr", {"min_thought": "10", "max_thought": "5"})
+    with pytest.raises(UserError, match="decay must be in"):
+        get_method("zoomr", {"decay": "1.5"})
     with pytest.raises(UserError, match="has no option 'c'"):
         get_method("sumr", {"c": "2"})
 

@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass
 
 from kvzip.methods.base import KVCache, model_layout
-from kvzip.methods.zoomr import ThoughtOptions, ZoomRCache
+from kvzip.methods.zoomr import ThoughtOptions, ZoomRCache, rope_frequencies
 
 
 @dataclass
@@ -23,9 +23,11 @@ class SumR(ThoughtOptions):
     k: typing.ClassVar[int] = 0
     c: typing.ClassVar[int] = 0
     select: typing.ClassVar[str] = "thought"
+    decay: typing.ClassVar[float] = 0.0
     index: typing.ClassVar[str] = "mean"  # sumr never votes, so how its index is scored does not matter
     index_space: typing.ClassVar[str] = "rotated"
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
-        return ZoomRCache(self, layers, zoom=False, keep_detail=False)
+        pick_rope = rope_frequencies(model) if self.pick == "novel" else None
+        return ZoomRCache(self, layers, zoom=False, keep_detail=False, pick_rope=pick_rope)

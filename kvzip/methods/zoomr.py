@@ -162,7 +162,12 @@ class ZoomRLayer(KVLayer):
             if c.method.pick == "even":
                 keep = slots[torch.linspace(0, slots.numel() - 1, r).round().long()]
             else:
-                score = self.received[b, slots] if c.method.pick == "attention" else self.keys[b, :, slots].norm(dim=-1).sum(0)
+                if c.method.pick == "novel":
+                    score = self._novelty(b, start, slots)
+                elif c.method.pick == "attention":
+                    score = self.received[b, slots]
+                else:
+                    score = self.keys[b, :, slots].norm(dim=-1).sum(0)
                 keep = slots[score.topk(r).indices.sort().values]
         self.summary_pos[b].append(self.pos[b, keep])
         summary = self.keys[b, :, keep]  # (Hkv, r, d)
@@ -173,6 +178,19 @@ class ZoomRLayer(KVLayer):
         if c.keep_detail:
             self.detail[b].append(self._store(self.keys[b, :, slots], self.values[b, :, slots]))
             self.host_bytes += sum(tensor_bytes(*part) for part in self.detail[b][-1])
+
+    def _novelty(self, b: int, start: int, slots: torch.Tensor) -> torch.Tensor:
+        """pick=novel: per token of a finished thought, 1 - the largest cosine of its key with any key on the device
+        from before the thought (prompt, earlier summaries), RoPE undone on both, summed over KV heads. Tokens the
+        thought shares with what is already kept ("Note", "box") score low; its own content scores high."""
+        rope = self.cache.pick_rope
+        ref = ((self.pos[b] >= 0) & (self.pos[b] < start)).nonzero().squeeze(-1)  # (R,) slots before the thought
+        mine = unrotate(self.keys[b, :, slots].float(), self.pos[b, slots], rope)  # (Hkv, n, d)
+        if ref.numel() == 0:
+            return mine.norm(dim=-1).sum(0)
+        seen = unrotate(self.keys[b, :, ref].float(), self.pos[b, ref], rope)  # (Hkv, R, d)
+        cos = torch.nn.functional.normalize(mine, dim=-1) @ torch.nn.functional.normalize(seen, dim=-1).transpose(1, 2)
+        return (1 - cos.amax(-1)).sum(0)  # (n,)
 
     def _store(self, k, v):
         """k, v (Hkv, n, d) -> what the detail tier keeps: dense copies, or dictionary codes (idx int16, coef fp16)."""
@@ -272,9 +290,10 @@ class ZoomRCache(KVCache):
     """Cache-level state shared by the layers: segmentation (on_step), the vote tally, the zoom sets."""
 
     def __init__(self, method, layers: int, zoom: bool = True, keep_detail: bool = True, coder=None, sparsity=0,
-                 inv_freq=None):
+                 inv_freq=None, pick_rope=None):
         self.zoom_enabled, self.keep_detail = zoom, keep_detail
         self.inv_freq = inv_freq  # RoPE frequencies (d/2,) when the index is scored in content space
+        self.pick_rope = pick_rope  # the same, when summary tokens are picked by novelty (pick=novel)
         self.coder, self.sparsity = coder, sparsity  # per layer (D_k, D_v, G_k, G_v, key mean) for detail=fadkv
         self.method_pick_attention = method.pick == "attention"
         self.strings, self.ids = parse_boundary(method.boundary)
@@ -283,6 +302,7 @@ class ZoomRCache(KVCache):
         self.finishing: list[tuple[int, int]] = []  # (row, thought) finalized during the current forward
         self.next_finishing: list[tuple[int, int]] = []
         self.voting = self.next_voting = self.votes = None  # (B,) bool rows voting in this / the next forward
+        self.running = None  # (B, T) decayed vote tally (decay > 0)
         self.any_voting = self.next_any = False
         self.tail_start: list[int] = []
         self.overhead_s, self.steps, self.selections, self.rebuilds = 0.0, 0, 0, 0
@@ -379,10 +399,19 @@ class ZoomRCache(KVCache):
         if self.votes is None:
             return False
         changed = False
+        decay = self.method.decay
+        if decay > 0:  # votes of earlier selection points carry over, fading: the zoom set follows a whole question
+            old = self.running if self.running is not None else self.votes.new_zeros(len(self.rows), 0)
+            grown = self.votes.new_zeros(self.votes.shape)
+            grown[:, : old.shape[1]] = old
+            cast = self.votes.sum(1, keepdim=True) > 0
+            self.running = torch.where(cast, decay * grown + self.votes, grown)
         for b, row in enumerate(self.rows):
             v = self.votes[b]
             if v.sum() <= 0:
                 continue
+            if decay > 0:
+                v = self.running[b]
             top = v.topk(min(self.method.c, v.numel()))
             zoom = sorted(int(i) for i, s in zip(top.indices, top.values) if s > 0)
             self.selections += 1
@@ -420,7 +449,7 @@ class ThoughtOptions(Method):
 
     def __post_init__(self):
         check_choice("summary_mode", self.summary_mode, ("pooled", "generated"))
-        check_choice("pick", self.pick, ("norm", "attention", "even"))
+        check_choice("pick", self.pick, ("norm", "attention", "even", "novel"))
         check_positive(r=self.r, window=self.window, min_thought=self.min_thought)
         if self.max_thought < self.min_thought:
             raise ValueError(f"max_thought ({self.max_thought}) must be >= min_thought ({self.min_thought})")
@@ -446,6 +475,7 @@ class ZoomR(ThoughtOptions):
     k: int = 2
     c: int = 2
     select: str = "sentence"
+    decay: float = 0.0
     detail: str = "host"
     index: str = "mean"
     index_space: str = "rotated"
@@ -457,6 +487,8 @@ class ZoomR(ThoughtOptions):
         check_choice("select", self.select, ("sentence", "thought", "token"))
         check_choice("detail", self.detail, ("host", "fadkv"))
         check_positive(k=self.k, c=self.c)
+        if not 0 <= self.decay < 1:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay}")
 
     @property
     def needs_dictionary(self) -> bool:
@@ -465,8 +497,9 @@ class ZoomR(ThoughtOptions):
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
         inv_freq = rope_frequencies(model) if self.index_space == "content" else None
+        pick_rope = rope_frequencies(model) if self.pick == "novel" else None
         if self.detail == "host":
-            return ZoomRCache(self, layers, inv_freq=inv_freq)
+            return ZoomRCache(self, layers, inv_freq=inv_freq, pick_rope=pick_rope)
         from kvzip.methods.fadkv import _prepare
 
         if dictionaries is None:
@@ -474,13 +507,14 @@ class ZoomR(ThoughtOptions):
         if dictionaries.meta.get("keys", "post-rope") != "post-rope":
             raise UserError("zoomr detail=fadkv codes post-RoPE keys: train with `kvzip train-dict --keys post-rope`")
         sparsity = int(dictionaries.meta.get("sparsity", 8))  # the sparsity the dictionary was trained for
-        return ZoomRCache(self, layers, coder=_prepare(dictionaries, model.device), sparsity=sparsity, inv_freq=inv_freq)
+        return ZoomRCache(self, layers, coder=_prepare(dictionaries, model.device), sparsity=sparsity, inv_freq=inv_freq,
+                          pick_rope=pick_rope)
 
 
 def rope_frequencies(model) -> torch.Tensor:
-    """The model's RoPE inverse frequencies (d/2,), for index_space=content; UserError for a model without them."""
+    """The model's RoPE inverse frequencies (d/2,), for index_space=content and pick=novel; UserError without them."""
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
     inv_freq = getattr(rotary, "inv_freq", None)
     if inv_freq is None or getattr(rotary, "attention_scaling", 1.0) != 1.0:
-        raise UserError("zoomr index_space=content needs a model with plain RoPE (a rotary_emb with inv_freq)")
+        raise UserError("zoomr index_space=content and pick=novel need a model with plain RoPE (a rotary_emb with inv_freq)")
     return inv_freq
