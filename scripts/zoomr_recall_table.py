@@ -36,9 +36,11 @@ def go(name, opts):
     return r
 zo = {"window": "32", "max_thought": "48"}
 z = go("zoomr", zo)
+go("zoomr", {**zo, "pick": "novel", "select": "token", "decay": "0.8", "index_space": "content"})
 d = round(z["device_bytes_per_row"] / per_token)
 go("window", {"sinks": "4", "window": str(d - 4)})
 go("sumr", {"window": "128", "max_thought": "48"})
+go("sumr", {"window": "128", "max_thought": "48", "pick": "novel"})
 go("zoomr", {**zo, "pick": "attention"})
 go("zoomr", {**zo, "pick": "even"})
 go("h2o", {"heavy": str(d // 2), "window": str(d - d // 2)})
