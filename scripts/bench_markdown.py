@@ -10,14 +10,13 @@ import json
 import sys
 
 from kvzip.bench.report import COLUMNS, summary_rows
+from kvzip.cli.display import human_bytes
 
 
 def _cell(value, fmt: str) -> str:
     if value is None:
         return ""
-    if fmt == "bytes":
-        return f"{value / 2**20:.1f} MiB"
-    return fmt.format(value)
+    return human_bytes(value) if fmt == "bytes" else fmt.format(value)
 
 
 def by_context(data: dict, workload: str, field: str) -> dict[str, dict[int, float]]:

@@ -117,7 +117,7 @@ def test_novel_pick_keeps_the_tokens_unlike_the_keys_before_the_thought(tiny):
     a, b, c, d, e, f = (torch.randn(2, 1, 16, generator=g) for _ in range(6))  # content keys (Hkv, 1, d)
     content = torch.cat([a, b, c, d, a, e, b, f], 1)  # prompt: positions 0-3; the thought: 4-7 repeats a and b
     pos = torch.arange(8)
-    rotated = unrotate(content, -pos, cache.pick_rope)  # turning by -pos is RoPE at pos
+    rotated = unrotate(content, -pos, cache.rope)  # turning by -pos is RoPE at pos
     layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
     layer.keys, layer.pos = rotated[None], pos[None]
     score = layer._novelty(0, 4, torch.arange(4, 8))

@@ -29,5 +29,5 @@ class SumR(ThoughtOptions):
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
-        pick_rope = rope_frequencies(model) if self.pick == "novel" else None
-        return ZoomRCache(self, layers, zoom=False, keep_detail=False, pick_rope=pick_rope)
+        rope = rope_frequencies(model) if self.pick == "novel" else None
+        return ZoomRCache(self, layers, zoom=False, keep_detail=False, rope=rope)

@@ -171,8 +171,8 @@ class ZoomRLayer(KVLayer):
                 keep = slots[score.topk(r).indices.sort().values]
         self.summary_pos[b].append(self.pos[b, keep])
         summary = self.keys[b, :, keep]  # (Hkv, r, d)
-        if c.inv_freq is not None:  # index_space=content: the keys as k_proj wrote them, before the rotation
-            summary = unrotate(summary, self.pos[b, keep], c.inv_freq)
+        if c.content_index:  # index_space=content: the keys as k_proj wrote them, before the rotation
+            summary = unrotate(summary, self.pos[b, keep], c.rope)
         self.index[b].append(summary if c.method.index == "max" else summary.mean(1, keepdim=True))  # (Hkv, r or 1, d)
         self.stacked = None
         if c.keep_detail:
@@ -183,7 +183,7 @@ class ZoomRLayer(KVLayer):
         """pick=novel: per token of a finished thought, 1 - the largest cosine of its key with any key on the device
         from before the thought (prompt, earlier summaries), RoPE undone on both, summed over KV heads. Tokens the
         thought shares with what is already kept ("Note", "box") score low; its own content scores high."""
-        rope = self.cache.pick_rope
+        rope = self.cache.rope
         ref = ((self.pos[b] >= 0) & (self.pos[b] < start)).nonzero().squeeze(-1)  # (R,) slots before the thought
         mine = unrotate(self.keys[b, :, slots].float(), self.pos[b, slots], rope)  # (Hkv, n, d)
         if ref.numel() == 0:
@@ -230,8 +230,8 @@ class ZoomRLayer(KVLayer):
                     valid[b, t, : x.shape[1]] = True
             self.stacked = (keys, valid)
         keys, valid = self.stacked  # (B, Hkv, T, R, d), (B, T, R)
-        if c.inv_freq is not None:  # the query turned back too: content against content, no relative position
-            q = unrotate(q.transpose(0, 1), self.pos[:, -1], c.inv_freq).transpose(0, 1)
+        if c.content_index:  # the query turned back too: content against content, no relative position
+            q = unrotate(q.transpose(0, 1), self.pos[:, -1], c.rope).transpose(0, 1)
         k = keys.repeat_interleave(q.shape[1] // self.kv_heads, dim=1)  # (B, Hq, T, R, d)
         scores = torch.einsum("bhd,bhtrd->bhtr", q, k).masked_fill(~valid[:, None], float("-inf")).amax(-1)  # (B, Hq, T)
         valid = valid.any(-1)  # (B, T)
@@ -290,10 +290,10 @@ class ZoomRCache(KVCache):
     """Cache-level state shared by the layers: segmentation (on_step), the vote tally, the zoom sets."""
 
     def __init__(self, method, layers: int, zoom: bool = True, keep_detail: bool = True, coder=None, sparsity=0,
-                 inv_freq=None, pick_rope=None):
+                 rope=None):
         self.zoom_enabled, self.keep_detail = zoom, keep_detail
-        self.inv_freq = inv_freq  # RoPE frequencies (d/2,) when the index is scored in content space
-        self.pick_rope = pick_rope  # the same, when summary tokens are picked by novelty (pick=novel)
+        self.rope = rope  # RoPE frequencies (d/2,), for index_space=content and pick=novel
+        self.content_index = method.index_space == "content"
         self.coder, self.sparsity = coder, sparsity  # per layer (D_k, D_v, G_k, G_v, key mean) for detail=fadkv
         self.method_pick_attention = method.pick == "attention"
         self.strings, self.ids = parse_boundary(method.boundary)
@@ -496,10 +496,9 @@ class ZoomR(ThoughtOptions):
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
-        inv_freq = rope_frequencies(model) if self.index_space == "content" else None
-        pick_rope = rope_frequencies(model) if self.pick == "novel" else None
+        rope = rope_frequencies(model) if self.index_space == "content" or self.pick == "novel" else None
         if self.detail == "host":
-            return ZoomRCache(self, layers, inv_freq=inv_freq, pick_rope=pick_rope)
+            return ZoomRCache(self, layers, rope=rope)
         from kvzip.methods.fadkv import _prepare
 
         if dictionaries is None:
@@ -507,8 +506,7 @@ class ZoomR(ThoughtOptions):
         if dictionaries.meta.get("keys", "post-rope") != "post-rope":
             raise UserError("zoomr detail=fadkv codes post-RoPE keys: train with `kvzip train-dict --keys post-rope`")
         sparsity = int(dictionaries.meta.get("sparsity", 8))  # the sparsity the dictionary was trained for
-        return ZoomRCache(self, layers, coder=_prepare(dictionaries, model.device), sparsity=sparsity, inv_freq=inv_freq,
-                          pick_rope=pick_rope)
+        return ZoomRCache(self, layers, coder=_prepare(dictionaries, model.device), sparsity=sparsity, rope=rope)
 
 
 def rope_frequencies(model) -> torch.Tensor:
