@@ -23,7 +23,7 @@ from kvzip.cli.options import Device, Dtype, Model, TrustRemoteCode
 from kvzip.errors import UserError
 
 KEY_MODES = ("post-rope", "pre-rope")
-CODERS = ("screen", "omp")
+CODERS = ("screen1", "screen", "omp")
 
 
 def _check(tokens: int, atoms: int, sparsity: int, iters: int, keys: str, coder: str, samples: int,
@@ -67,7 +67,7 @@ def train_dict(
     sparsity: Annotated[int, typer.Option("--sparsity", help="Atoms per coded vector s (the cache's default).")] = 8,
     iters: Annotated[int, typer.Option(help="Learning iterations per dictionary.")] = 8,
     keys: Annotated[str, typer.Option("--keys", help="post-rope (mean droppable at attention time) or pre-rope (mean stored and added back).")] = "post-rope",
-    coder: Annotated[str, typer.Option(help="Sparse coder inside the learning loop and for the held-out error: screen or omp.")] = "screen",
+    coder: Annotated[str, typer.Option(help="Sparse coder inside the learning loop: screen1 (one-shot top-n screening), screen (the cache's two-shot coder) or omp. The held-out error uses the cache's coder: screen, or omp for --coder omp.")] = "screen1",
     samples: Annotated[int, typer.Option(help="Training vectors per layer and kind used for learning (random subsample).")] = 16384,
     holdout: Annotated[float, typer.Option(help="Fraction of every calibration document's last tokens held out for the error report.")] = 0.1,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output file (default: dictionaries/<model>.safetensors, <model>-prerope for pre-rope keys).")] = None,
@@ -98,6 +98,7 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
     from kvzip.dictfiles import dictionary_dir
     from kvzip.models import load_model, model_fingerprint
     from kvzip.sparse.dictionary import KVDictionary, make_meta
+    from kvzip.sparse.train import heldout_coder
     from kvzip.sparse.train import train_dictionaries
 
     torch.manual_seed(seed)
@@ -149,7 +150,8 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
         model_fingerprint(lm.config), s=sparsity, keys=keys, source=calibration, tokens=total,
         key_error=trained.key_error, value_error=trained.value_error,
         heldout_key_error_vs_raw="[" + ", ".join(f"{e:.5f}" for e in trained.key_error_vs_raw) + "]",
-        heldout_tokens=held.tokens, training_tokens=train.tokens, coder=coder, iters=iters, samples=samples,
+        heldout_tokens=held.tokens, training_tokens=train.tokens, coder=coder,
+        heldout_coder=heldout_coder(coder), iters=iters, samples=samples,
         seed=seed, model=source.name, seconds=json.dumps(phases), command=command, kvzip_version=version("kvzip"),
         created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         key_mean=("subtracted before coding; post-RoPE it is a per-query constant shift of the scores, "

@@ -29,7 +29,7 @@ from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
 from kvzip.sparse import attention as coded
 from kvzip.sparse.omp import gram_matrix, omp, reconstruct
-from kvzip.sparse.screen import screen
+from kvzip.sparse.screen import PICKS, SHOTS, screen
 
 ADAPT = ("fixed", "append", "none")
 CODERS = ("screen", "omp")
@@ -232,7 +232,7 @@ class FadkvLayer(KVLayer):
         s = self.cfg.sparsity
         if self.cfg.coder == "omp":
             return omp(x, atoms, s, gram=gram)
-        return screen(x, atoms, s, n=self.cfg.pool, gram=gram, shots=self.cfg.shots)
+        return screen(x, atoms, s, n=self.cfg.pool, gram=gram, shots=self.cfg.shots, pick=self.cfg.pick)
 
     def _code(self, kind: str, x: torch.Tensor):
         """x (B, H, m, d) fp32 -> idx (B, H, m, s), coef (B, H, m, s); adapts the row's dictionary when asked."""
@@ -328,6 +328,7 @@ class Fadkv(Method):
     coder: str = "screen"
     pool: int = 16
     shots: int = 2
+    pick: str = "champions"
     adapt: str = "fixed"
     tau: float = 0.5
     max_new: int = 4
@@ -339,7 +340,8 @@ class Fadkv(Method):
         check_choice("coef", self.coef, coded.COEF_FORMATS)
         check_choice("coder", self.coder, CODERS)
         check_choice("adapt", self.adapt, ADAPT)
-        check_choice("shots", self.shots, (1, 2))
+        check_choice("shots", self.shots, SHOTS)
+        check_choice("pick", self.pick, PICKS)
         check_positive(sparsity=self.sparsity, pool=self.pool, chunk=self.chunk, max_new=self.max_new, tau=self.tau)
         if self.buffer < 0 or self.sinks < 0:
             raise ValueError("buffer and sinks must be >= 0")

@@ -5,7 +5,7 @@ keys have their per-(layer, KV head) mean removed before coding (the mean is sto
 free to drop at attention time, pre-RoPE it must be added back before rotating, see prep.py), values are coded as
 they are. A random subsample of at most `samples` training vectors per layer and kind is used for learning (the
 learning cost is linear in it; 16k vectors is where the previous measurements stopped improving much). The held-out
-error is measured with the same coder and sparsity the cache will use, on atoms rounded to the dtype the file stores
+error is measured with the coder and sparsity the cache will use (`heldout_coder`), on atoms rounded to the dtype the file stores
 (what a loader will see), both against the coded (centred) key and against the raw key's norm: the second is the
 number that matters for attention, and the honest one to compare centred with uncentred coding.
 """
@@ -36,6 +36,12 @@ class Trained:
     value_error: list[float]
 
 
+def heldout_coder(coder: str) -> str:
+    """The coder the held-out error is measured with, for a dictionary learned with `coder` in the loop: the one
+    the cache uses (fadkv's two-shot `screen` after either screening coder, lexico's `omp` after `omp`)."""
+    return "omp" if coder == "omp" else "screen"
+
+
 def heldout_error(X: torch.Tensor, raw: torch.Tensor, D: torch.Tensor, s: int, coder: str, n: int = 16):
     """Mean relative error of coding X (M, d) with D (N, d): (vs ||X||, vs ||raw||). Returns two floats."""
     idx, coef = encode(X.float(), D, s, coder=coder, n=n, gram=gram_matrix(D))   # (M, s), (M, s)
@@ -47,7 +53,7 @@ def heldout_error(X: torch.Tensor, raw: torch.Tensor, D: torch.Tensor, s: int, c
 @torch.no_grad()
 def train_dictionaries(train_keys: list[torch.Tensor], train_values: list[torch.Tensor],
                        held_keys: list[torch.Tensor], held_values: list[torch.Tensor], heads: int,
-                       atoms: int, s: int, iters: int, coder: str = "screen", samples: int = 16384,
+                       atoms: int, s: int, iters: int, coder: str = "screen1", samples: int = 16384,
                        heldout_samples: int = 4096, seed: int = 0, store_dtype: torch.dtype = torch.float16,
                        progress: Progress | None = None) -> Trained:
     """Learn per-layer key and value dictionaries from rows (M, d) of each layer (token-major, `heads` per token).
@@ -79,7 +85,7 @@ def train_dictionaries(train_keys: list[torch.Tensor], train_values: list[torch.
                                  progress=step)                                    # (N, d)
             D = D.to(store_dtype).float()                                          # what a loader will see
             pick = torch.randperm(H.shape[0], generator=torch.Generator().manual_seed(seed))[:heldout_samples]
-            err, err_raw = heldout_error(H[pick], H_raw[pick], D, s, coder)
+            err, err_raw = heldout_error(H[pick], H_raw[pick], D, s, heldout_coder(coder))
             out[kind].append(D)
             if kind == "keys":
                 out["mean"].append(mean)
