@@ -54,7 +54,7 @@ def test_generated_summaries_use_the_marker_span(tiny, tokenizer):
 
 def test_index_key_is_mean_of_summary_keys_and_detail_is_on_host(tiny, tokenizer):
     text = "one two three four.\n\nfive six seven eight.\n\nnine ten eleven twelve"
-    cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "c": "1"}), "hello", text)
+    cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "c": "1", "index_space": "rotated"}), "hello", text)
     full = get_method("full").make_cache(tiny)
     ids = tokenizer("hello")["input_ids"] + tokenizer(text)["input_ids"][1:]
     with torch.inference_mode():
@@ -71,8 +71,26 @@ def test_index_key_is_mean_of_summary_keys_and_detail_is_on_host(tiny, tokenizer
     assert cache.memory()["host"] == detail
 
 
+def test_content_index_key_is_mean_of_unrotated_summary_keys(tiny, tokenizer):
+    """index_space=content (the default): the index holds summary keys with RoPE undone, so scores ignore position."""
+    from kvzip.methods.zoomr import unrotate
+
+    text = "one two three four.\n\nfive six seven eight.\n\nnine ten eleven twelve"
+    cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "c": "1"}), "hello", text)
+    full = get_method("full").make_cache(tiny)
+    ids = tokenizer("hello")["input_ids"] + tokenizer(text)["input_ids"][1:]
+    with torch.inference_mode():
+        tiny(input_ids=torch.tensor([ids]), cache=full, use_cache=True)
+    layer0, ref = cache.layers[0], full.layers[0].keys
+    assert cache.content_index and len(cache.rows[0].thoughts) >= 2
+    for t in range(len(cache.rows[0].thoughts)):
+        pos = layer0.summary_pos[0][t]
+        want = unrotate(ref[0][:, pos], pos, cache.rope).mean(1, keepdim=True)
+        assert torch.allclose(layer0.index[0][t], want, atol=1e-5)
+
+
 def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
-    cache = get_method("zoomr", {"k": "1", "c": "1"}).make_cache(tiny)
+    cache = get_method("zoomr", {"k": "1", "c": "1", "index_space": "rotated"}).make_cache(tiny)
     layer = cache.layers[0]
     layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
     g = torch.Generator().manual_seed(0)
@@ -91,7 +109,7 @@ def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
 
 def test_index_max_scores_a_thought_by_its_best_matching_summary_key(tiny):
     """index=max: thought 1 holds, among two summary keys, the one the query points at; its mean would not win."""
-    cache = get_method("zoomr", {"k": "1", "c": "1", "index": "max"}).make_cache(tiny)
+    cache = get_method("zoomr", {"k": "1", "c": "1", "index": "max", "index_space": "rotated"}).make_cache(tiny)
     layer = cache.layers[0]
     layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
     target = torch.nn.functional.normalize(torch.ones(2, 16), dim=-1)

@@ -472,13 +472,14 @@ class ZoomR(ThoughtOptions):
 
     name = "zoomr"
     summary = "thoughts indexed by summaries; zoom-in to the most-voted thoughts' full KV; detail off the device"
+    pick: str = "novel"
     k: int = 2
     c: int = 2
-    select: str = "sentence"
-    decay: float = 0.0
+    select: str = "token"
+    decay: float = 0.8
     detail: str = "host"
     index: str = "mean"
-    index_space: str = "rotated"
+    index_space: str = "content"
 
     def __post_init__(self):
         super().__post_init__()
