@@ -88,7 +88,13 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
     Lw = c0.new_zeros(M, s, s)                                # (M, s, s) Cholesky factor of G[I, I], lower
     z = c0.new_zeros(M, s)                                    # (M, s) projections of x on the orthonormal basis
     idx = torch.empty(M, s, dtype=torch.long, device=c0.device)
-    taken = torch.zeros(M, P, dtype=torch.bool, device=c0.device)
+    # Atom selection packs |alpha| and the column into one int32 (screen.champions explains the trick): one integer
+    # max per step instead of abs + mask + max-with-indices, 3-5x faster on CPU. Near-ties (within 2^-(23 - log2 P)
+    # relative) may resolve to the other atom.
+    bits = max((P - 1).bit_length(), 1)
+    low = (1 << bits) - 1
+    columns = torch.arange(P, dtype=torch.int32, device=c0.device)
+    packed = torch.empty(M, P, dtype=torch.int32, device=c0.device)
     if pool is not None:
         gdiag = G.diagonal().index_select(0, pool.reshape(-1)).view(M, P)  # (M, P)
     else:
@@ -100,32 +106,34 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
         U[:, :k0], Lw[:, :k0, :k0], z[:, :k0] = U0, L0, z0
         idx[:, :k0] = -1
     for k in range(k0, s):
-        # (M, 1) never an atom twice; max(dim).indices: same answer as argmax, measured 1.4x faster on CPU
-        j1 = alpha.abs().masked_fill_(taken, -1.0).max(dim=1, keepdim=True).indices
+        torch.bitwise_and(alpha.view(torch.int32), 0x7FFFFFFF & ~low, out=packed)  # |alpha| with the low bits clear
+        packed |= columns
+        if k > k0:
+            packed.scatter_(1, idx[:, k0:k], 0)               # never an atom twice (0 loses to every live column)
+        j1 = (packed.amax(dim=1, keepdim=True) & low).long()  # (M, 1)
         idx[:, k] = j1.squeeze(1)
-        taken.scatter_(1, j1, True)
         w = U[:, :k].gather(2, j1.unsqueeze(1).expand(M, k, 1)).squeeze(2)  # (M, k) new Cholesky row: earlier q's vs j
+        d2 = gdiag.gather(1, j1).squeeze(1) - (w * w).sum(1)  # (M,) squared distance of atom j to span(I)
+        ok = d2 > _DEPENDENT
+        diag = torch.where(ok, d2.clamp_min(_DEPENDENT).sqrt(), torch.ones_like(d2))
+        inv = ok / diag                                       # (M,) 1 / diag, 0 for a dependent atom
+        Lw[:, k, :k] = w * ok.unsqueeze(1)
+        Lw[:, k, k] = diag
+        z[:, k] = alpha.gather(1, j1).squeeze(1) * inv        # (M,) projection of the residual on the new q
+        if k == s - 1:
+            break  # the last atom's correlations would only serve a next step
         if pool is not None:  # (M, P) Gram row of the new atom, on the pool
             gj = gram_entries(G, pool.gather(1, j1), pool).squeeze(1)
         else:
             gj = G.index_select(0, j1.squeeze(1))             # (M, N)
-        d2 = gdiag.gather(1, j1).squeeze(1) - (w * w).sum(1)  # (M,) squared distance of atom j to span(I)
-        ok = d2 > _DEPENDENT
-        diag = torch.where(ok, d2.clamp_min(_DEPENDENT).sqrt(), torch.ones_like(d2))
         if k == 0:
             u = gj                                            # (M, P)
         elif P <= 64:  # small pools (screen.py): broadcast-multiply-sum beats M tiny batched matmuls on CPU
             u = gj - (w.unsqueeze(2) * U[:, :k]).sum(1)
         else:
             u = gj - torch.bmm(w.unsqueeze(1), U[:, :k]).squeeze(1)
-        inv = ok / diag                                       # (M,) 1 / diag, 0 for a dependent atom
-        u = u * inv.unsqueeze(1)                              # (M, P)
-        zk = alpha.gather(1, j1).squeeze(1) * inv             # (M,)
-        U[:, k] = u
-        Lw[:, k, :k] = torch.where(ok.unsqueeze(1), w, torch.zeros_like(w))
-        Lw[:, k, k] = diag
-        z[:, k] = zk
-        alpha -= zk.unsqueeze(1) * u
+        u = torch.mul(u, inv.unsqueeze(1), out=U[:, k])      # (M, P), written in place into U
+        alpha.addcmul_(u, z[:, k:k + 1], value=-1.0)         # residual correlations: alpha -= z_k u
     # L Lᵀ coef = c0[I] and L z = c0[I]  =>  Lᵀ coef = z
     coef = solve_lower(Lw, z.unsqueeze(2), transpose=True).squeeze(2)  # (M, s)
     return (idx, coef, (Lw, z)) if return_state else (idx, coef)
