@@ -98,8 +98,7 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
     from kvzip.dictfiles import dictionary_dir
     from kvzip.models import load_model, model_fingerprint
     from kvzip.sparse.dictionary import KVDictionary, make_meta
-    from kvzip.sparse.train import heldout_coder
-    from kvzip.sparse.train import train_dictionaries
+    from kvzip.sparse.train import heldout_coder, train_dictionaries
 
     torch.manual_seed(seed)
     clock, phases = time.perf_counter(), {}

@@ -48,6 +48,16 @@ def _check(x: torch.Tensor, D: torch.Tensor, s: int, gram: torch.Tensor | None) 
         assert gram.shape == (D.shape[0], D.shape[0]), f"gram must be (N, N), got {tuple(gram.shape)}"
 
 
+def pack_abs(c: torch.Tensor, out: torch.Tensor) -> int:
+    """Write |c| (m, P) fp32 into the int32 `out` with its low log2(P) bits replaced by the column number; returns
+    that bit mask. An int32 max over a row (or group) is then its largest |c| with the column in the low bits: for
+    x >= 0 the float's bit pattern orders like x, and only low mantissa bits are lost (near-ties may swap)."""
+    low = (1 << max((c.shape[1] - 1).bit_length(), 1)) - 1
+    torch.bitwise_and(c.contiguous().view(torch.int32), 0x7FFFFFFF & ~low, out=out)  # |c| with the low bits clear
+    out |= torch.arange(c.shape[1], dtype=torch.int32, device=c.device)
+    return low
+
+
 def solve_lower(L: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """x with L x = b (or Lᵀ x = b) for lower-triangular L (M, k, k) and b (M, k, P), by substitution.
 
@@ -88,12 +98,7 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
     Lw = c0.new_zeros(M, s, s)                                # (M, s, s) Cholesky factor of G[I, I], lower
     z = c0.new_zeros(M, s)                                    # (M, s) projections of x on the orthonormal basis
     idx = torch.empty(M, s, dtype=torch.long, device=c0.device)
-    # Atom selection packs |alpha| and the column into one int32 (screen.champions explains the trick): one integer
-    # max per step instead of abs + mask + max-with-indices, 3-5x faster on CPU. Near-ties (within 2^-(23 - log2 P)
-    # relative) may resolve to the other atom.
-    bits = max((P - 1).bit_length(), 1)
-    low = (1 << bits) - 1
-    columns = torch.arange(P, dtype=torch.int32, device=c0.device)
+    # atom selection by one integer max over pack_abs(alpha) per step: 3-5x faster on CPU than abs + mask + max
     packed = torch.empty(M, P, dtype=torch.int32, device=c0.device)
     if pool is not None:
         gdiag = G.diagonal().index_select(0, pool.reshape(-1)).view(M, P)  # (M, P)
@@ -106,8 +111,7 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
         U[:, :k0], Lw[:, :k0, :k0], z[:, :k0] = U0, L0, z0
         idx[:, :k0] = -1
     for k in range(k0, s):
-        torch.bitwise_and(alpha.view(torch.int32), 0x7FFFFFFF & ~low, out=packed)  # |alpha| with the low bits clear
-        packed |= columns
+        low = pack_abs(alpha, packed)
         if k > k0:
             packed.scatter_(1, idx[:, k0:k], 0)               # never an atom twice (0 loses to every live column)
         j1 = (packed.amax(dim=1, keepdim=True) & low).long()  # (M, 1)
