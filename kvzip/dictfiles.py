@@ -17,8 +17,9 @@ def dictionary_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parent.parent / "dictionaries"
 
 
-def default_dictionary_path(source) -> Path:
-    return dictionary_dir() / f"{source.name}.safetensors"
+def default_dictionary_path(source, keys: str = "post-rope") -> Path:
+    """`<model>.safetensors` (keys after RoPE), or `<model>-prerope.safetensors` for keys coded before RoPE."""
+    return dictionary_dir() / f"{source.name}{'-prerope' if keys == 'pre-rope' else ''}.safetensors"
 
 
 def dictionaries_for(method, model, source, path: Path | None = None):
@@ -28,11 +29,12 @@ def dictionaries_for(method, model, source, path: Path | None = None):
     from kvzip.models import model_fingerprint
     from kvzip.sparse.dictionary import DictionaryError, KVDictionary
 
-    path = Path(path) if path is not None else default_dictionary_path(source)
+    keys = getattr(method, "keys", "post-rope")
+    path = Path(path) if path is not None else default_dictionary_path(source, keys)
     if not path.is_file():
         raise UserError(
             f"method '{method.name}' needs a dictionary and {path} does not exist: "
-            f"train one with `kvzip train-dict --model {source.name} --out {path}` or pass --dict"
+            f"train one with `kvzip train-dict --model {source.name} --keys {keys} --out {path}` or pass --dict"
         )
     try:
         dictionary = KVDictionary.load(path, device=str(model.device))

@@ -9,16 +9,17 @@ import torch
 from kvzip import engine
 from kvzip.methods import get_method
 from kvzip.methods.fadkv import FadkvLayer, _prepare
+from kvzip.rope import rotate
 from kvzip.sparse.omp import reconstruct
 
 SMALL = {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2"}
 
 
-def make_layer(tiny_dictionaries, batch=1, heads=2, **opts):
+def make_layer(tiny_dictionaries, batch=1, heads=2, inv_freq=None, **opts):
     method = get_method("fadkv", {**SMALL, **opts})
     d_k, d_v, g_k, g_v, _ = _prepare(tiny_dictionaries, "cpu")[0]
     mean = torch.randn(heads, d_k.shape[1], generator=torch.Generator().manual_seed(0)) * 0.3
-    return method, FadkvLayer(method, d_k, d_v, g_k, g_v, mean)
+    return method, FadkvLayer(method, d_k, d_v, g_k, g_v, mean, inv_freq=inv_freq)
 
 
 def feed(layer, steps, batch=1, heads=2, dim=16, q_heads=4, seed=0):
@@ -45,7 +46,10 @@ def dense_keys_values(layer, row):
         h, t, s = idx.shape[1:]
         vec = reconstruct(row_atoms(layer, kind, row), idx[row].long().reshape(-1, s), coef[row].reshape(-1, s))
         rebuilt[kind] = vec.view(h, t, -1)
-    keys = torch.cat([rebuilt["k"] + layer.key_mean[:, None], layer.keys[row].float()], 1)
+    coded_keys = rebuilt["k"] + layer.key_mean[:, None]
+    if layer.inv_freq is not None:  # keys=pre-rope: the codes hold content keys; RoPE goes on after rebuilding
+        coded_keys = rotate(coded_keys, layer.coded_pos[row], layer.inv_freq)
+    keys = torch.cat([coded_keys, layer.keys[row].float()], 1)
     values = torch.cat([rebuilt["v"], layer.values[row].float()], 1)
     return keys, values  # (H, T+S, d)
 
@@ -64,6 +68,44 @@ def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt):
     w = torch.softmax(query[0] @ keys.transpose(-1, -2) * 0.25, -1)
     expected = (w @ values).transpose(0, 1)[None]
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("adapt", ["none", "fixed"])
+def test_prerope_attention_equals_dense_reference(tiny_dictionaries, adapt, monkeypatch):
+    """keys=pre-rope: keys are turned back to content before coding, and scores rebuild each chunk of codes and apply
+    RoPE at the token's position; chunked (3 coded tokens per chunk here) it equals rebuilding every key densely."""
+    import kvzip.methods.fadkv as fadkv_module
+
+    monkeypatch.setattr(fadkv_module, "SCORE_CHUNK", 3)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    _, layer = make_layer(tiny_dictionaries, adapt=adapt, tau="0.2", keys="pre-rope", inv_freq=inv_freq)
+    feed(layer, 60)
+    assert layer.coded_pos.shape[1] > 40
+    query = torch.randn(1, 4, 1, 16)
+    got = layer._attention(query, None, 0.25)
+    keys, values = dense_keys_values(layer, 0)
+    keys, values = keys.repeat_interleave(2, 0), values.repeat_interleave(2, 0)
+    w = torch.softmax(query[0] @ keys.transpose(-1, -2) * 0.25, -1)
+    torch.testing.assert_close(got, (w @ values).transpose(0, 1)[None], rtol=1e-4, atol=1e-4)
+
+
+def test_prerope_codes_content_keys(tiny_dictionaries):
+    """A key stored post-RoPE at position p is coded as its content (RoPE undone): with a dictionary holding that
+    content as an atom, the code is exact, which a post-RoPE coder would miss."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    _, layer = make_layer(tiny_dictionaries, keys="pre-rope", inv_freq=inv_freq, sinks="0", buffer="0", chunk="1")
+    content = layer.dicts["k"][0][5] * 2.0 + layer.key_mean[0]  # (d,) atom 5, scaled, plus the head's key mean
+    layer.update(rotate(content, torch.tensor([0]), inv_freq).view(1, 1, 1, 16).expand(1, 2, 1, 16).clone(),
+                 torch.randn(1, 2, 1, 16))
+    layer.update(rotate(content, torch.tensor([1]), inv_freq).view(1, 1, 1, 16).expand(1, 2, 1, 16).clone(),
+                 torch.randn(1, 2, 1, 16))
+    layer._compress(prefill=True)
+    idx, st, sc = layer.codes["k"]
+    coef = st.float() * sc.float()
+    assert idx.shape[2] == 2
+    for t in range(2):
+        assert int(idx[0, 0, t][coef[0, 0, t].abs().argmax()]) == 5
+        torch.testing.assert_close(coef[0, 0, t].abs().max().item(), 2.0, rtol=0.05, atol=0.05)
 
 
 def test_fixed_adaptation_never_grows_and_keeps_old_codes_valid(tiny_dictionaries):

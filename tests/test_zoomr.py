@@ -125,6 +125,34 @@ def test_index_max_scores_a_thought_by_its_best_matching_summary_key(tiny):
     assert cache.votes.argmax().item() == 1  # the mean of thought 1's keys is 0: index=mean would rank it last
 
 
+@pytest.mark.parametrize("norm, winner", [("none", 0), ("centered", 2)])
+def test_centered_index_removes_what_every_thought_shares(tiny, norm, winner):
+    """index_norm=centered: every index key holds a shared direction, thought 0 five times more of it (its summary
+    kept the task's recurring words). A query about thought 2's own content with a little of the shared direction
+    votes for thought 0 on raw scores; with the mean over thoughts removed and unit length, thought 2 wins."""
+    cache = get_method("zoomr", {"k": "1", "c": "1", "index_space": "rotated", "index_norm": norm}).make_cache(tiny)
+    layer = cache.layers[0]
+    layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
+    eye = torch.eye(16)
+    shared, own = eye[0], eye[1:5]  # the shared direction; thought t's own direction own[t]
+    keys = [5.0 * shared + own[0], shared + own[1], shared + own[2], shared + own[3]]
+    layer.index[0] = [k.expand(2, 16)[:, None].clone() for k in keys]  # (Hkv, 1, d) per thought
+    from kvzip.methods.zoomr import Row
+
+    cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
+    cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(4)]
+    cache.voting, cache.any_voting = torch.ones(1, dtype=torch.bool), True
+    query = (0.3 * shared + own[2]).expand(4, 16)[None]  # (1, Hq=4, 16)
+    layer._vote(query)
+    assert cache.votes.argmax().item() == winner
+    if norm == "centered":
+        stacked, _ = layer.stacked  # (B, Hkv, T, R, d)
+        raw = torch.stack(keys)  # (T, d)
+        want = torch.nn.functional.normalize(raw - raw.mean(0), dim=-1)
+        torch.testing.assert_close(stacked[0, 0, :, 0], want)
+        torch.testing.assert_close(stacked[0, 1, :, 0], want)
+
+
 def test_novel_pick_keeps_the_tokens_unlike_the_keys_before_the_thought(tiny):
     """pick=novel: a thought token whose content key (RoPE undone) repeats a prompt key scores ~0; new ones score high."""
     from kvzip.methods.zoomr import unrotate

@@ -95,7 +95,7 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
     from importlib.metadata import version
 
     from kvzip import capture, data
-    from kvzip.dictfiles import dictionary_dir
+    from kvzip.dictfiles import default_dictionary_path
     from kvzip.models import load_model, model_fingerprint
     from kvzip.sparse.dictionary import KVDictionary, make_meta
     from kvzip.sparse.train import heldout_coder, train_dictionaries
@@ -114,7 +114,7 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
     with display.console.status(f"loading {model}"):
         lm, tokenizer, source = load_model(model, device, dtype, trust_remote_code)
     if out is None:
-        out = dictionary_dir() / f"{source.name}{'-prerope' if keys == 'pre-rope' else ''}.safetensors"
+        out = default_dictionary_path(source, keys)
     with display.progress() as bar:
         if text:
             documents = capture.text_documents(tokenizer, raw, tokens)

@@ -27,11 +27,15 @@ import torch
 from kvzip.attention import gather_mask
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
+from kvzip.rope import rope_frequencies, rotate, unrotate
 from kvzip.sparse import attention as coded
 from kvzip.sparse.omp import gram_matrix, omp, reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS, screen
 
 ADAPT = ("fixed", "append", "none")
+KEY_MODES = ("post-rope", "pre-rope")
+# pre-RoPE scores rebuild at most this many coded keys at a time (per row and KV head): never a dense copy of the past
+SCORE_CHUNK = 1024
 CODERS = ("screen", "omp")
 
 
@@ -61,8 +65,9 @@ class _Overlay:
 
 
 class FadkvLayer(KVLayer):
-    def __init__(self, cfg: "Fadkv", d_k, d_v, g_k, g_v, key_mean):
+    def __init__(self, cfg: "Fadkv", d_k, d_v, g_k, g_v, key_mean, inv_freq=None):
         super().__init__()
+        self.inv_freq = inv_freq  # RoPE frequencies (d/2,) when keys are coded before RoPE, else None
         self.cfg = cfg
         self.dicts = {"k": (d_k, g_k), "v": (d_v, g_v)}  # shared (N, d) atoms and (N, N) Gram, fp32
         self.n_atoms = d_k.shape[0]
@@ -148,7 +153,10 @@ class FadkvLayer(KVLayer):
         qg = query.float().reshape(b, h, g * q, d)  # (B, H, g*q, d): query heads grouped under their KV head
         dense_scores = qg @ self.keys.float().transpose(-1, -2)  # (B, H, gq, S)
         t = self.coded_pos.shape[1]
-        if t:
+        if t and self.inv_freq is not None:
+            scores = torch.cat([self._prerope_scores(qg), dense_scores], -1)
+            positions = torch.cat([self.coded_pos, self.dense_pos], 1)
+        elif t:
             k_idx, k_st, k_sc = self.codes["k"]
             k_scores = coded.coded_scores(self._atom_scores("k", qg), k_idx.long(), coded.dequantize(k_st, k_sc))
             if self.key_mean is not None:
@@ -169,6 +177,37 @@ class FadkvLayer(KVLayer):
             w_atoms = coded.atom_weights(w[..., :t], v_idx.long(), coded.dequantize(v_st, v_sc), self._n_total("v") + 1)
             out = out + self._values_from_atoms("v", w_atoms)
         return out.view(b, h, g, q, d).reshape(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous()
+
+    def _prerope_scores(self, qg: torch.Tensor) -> torch.Tensor:
+        """qg (B, H, G, d) against keys coded before RoPE -> (B, H, G, T): each chunk of codes is rebuilt (s atoms
+        per key), the key mean added back and RoPE applied at the token's position, then dotted with the query. The
+        rebuilt keys of one chunk are dropped before the next: O(T·s·d) work, no dense copy of the past kept."""
+        k_idx, k_st, k_sc = self.codes["k"]
+        atoms = self._atom_table("k")  # (B, Ntot, d)
+        b, h, t, s = k_idx.shape
+        out = []
+        for c in range(0, t, SCORE_CHUNK):
+            idx = k_idx[:, :, c:c + SCORE_CHUNK].long()                                    # (B, H, Tc, s)
+            coef = coded.dequantize(k_st[:, :, c:c + SCORE_CHUNK], None if k_sc is None else k_sc[:, :, c:c + SCORE_CHUNK])
+            tc = idx.shape[2]
+            picked = atoms.gather(1, idx.reshape(b, -1, 1).expand(b, h * tc * s, atoms.shape[-1]))  # (B, H*Tc*s, d)
+            keys = (coef.unsqueeze(-1) * picked.view(b, h, tc, s, -1)).sum(3)               # (B, H, Tc, d)
+            if self.key_mean is not None:
+                keys = keys + self.key_mean[None, :, None, :]
+            keys = rotate(keys, self.coded_pos[:, None, c:c + SCORE_CHUNK], self.inv_freq)
+            out.append(qg @ keys.transpose(-1, -2))                                        # (B, H, G, Tc)
+        return torch.cat(out, -1)
+
+    def _atom_table(self, kind: str) -> torch.Tensor:
+        """(B, Ntot, d): the atoms each row sees, the shared dictionary patched by the row's overlay."""
+        d_base, _ = self.dicts[kind]
+        ov = self.overlay[kind]
+        n_tot = self._n_total(kind)
+        table = torch.cat([d_base, d_base.new_zeros(n_tot - self.n_atoms + 1, d_base.shape[1])]).expand(self.batch, -1, -1)
+        if not ov.ids.shape[1]:
+            return table
+        ids = torch.where(ov.ids >= 0, ov.ids, n_tot)  # free slots write the spare last row
+        return table.scatter(1, ids[..., None].expand_as(ov.vectors), ov.vectors)
 
     @staticmethod
     def _allowed(mask, positions, q, width, device):
@@ -192,6 +231,8 @@ class FadkvLayer(KVLayer):
         sl = slice(sinks, sinks + m)
         t0 = time.perf_counter()
         k = self.keys[:, :, sl].float()  # (B, H, m, d)
+        if self.inv_freq is not None:  # keys=pre-rope: code the key as k_proj wrote it
+            k = unrotate(k, self.dense_pos[:, None, sl], self.inv_freq)
         if self.key_mean is not None:
             k = k - self.key_mean[None, :, None, :]
         for kind, x in (("k", k), ("v", self.values[:, :, sl].float())):
@@ -335,9 +376,11 @@ class Fadkv(Method):
     buffer: int = 128
     chunk: int = 32
     sinks: int = 4
+    keys: str = "post-rope"
 
     def __post_init__(self):
         check_choice("coef", self.coef, coded.COEF_FORMATS)
+        check_choice("keys", self.keys, KEY_MODES)
         check_choice("coder", self.coder, CODERS)
         check_choice("adapt", self.adapt, ADAPT)
         check_choice("shots", self.shots, SHOTS)
@@ -350,15 +393,18 @@ class Fadkv(Method):
     def make_cache(self, model, dictionaries=None) -> KVCache:
         if dictionaries is None:
             raise UserError(f"method '{self.name}' needs a dictionary: train one with `kvzip train-dict`")
-        if dictionaries.meta.get("keys", "post-rope") != "post-rope":
-            raise UserError(f"method '{self.name}' codes keys after RoPE; this dictionary was trained on "
-                            f"{dictionaries.meta.get('keys')} keys: train one with `kvzip train-dict --keys post-rope`")
+        trained = dictionaries.meta.get("keys", "post-rope")
+        if trained != self.keys:
+            raise UserError(f"method '{self.name}' with keys={self.keys} needs a dictionary of {self.keys} keys; this one "
+                            f"was trained on {trained} keys: pass another --dict or train one with "
+                            f"`kvzip train-dict --keys {self.keys}`")
+        inv_freq = rope_frequencies(model, f"{self.name} keys=pre-rope") if self.keys == "pre-rope" else None
         layers, kv_heads, head_dim = model_layout(model)
         if self.sparsity > dictionaries.keys.shape[1]:
             raise UserError(f"sparsity {self.sparsity} exceeds the dictionary's {dictionaries.keys.shape[1]} atoms")
         prepared = _prepare(dictionaries, model.device)
         self.shared_bytes = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
-        return FadkvCache([FadkvLayer(self, *prepared[i]) for i in range(layers)], self)
+        return FadkvCache([FadkvLayer(self, *prepared[i], inv_freq=inv_freq) for i in range(layers)], self)
 
 
 @dataclass

@@ -33,23 +33,23 @@ import torch
 from kvzip.attention import gather_mask, leading_padding
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
+from kvzip.rope import rope_frequencies, unrotate
 from kvzip.sparse.omp import omp, reconstruct
 
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]?\s")
 
 
-def unrotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Undo RoPE: x (..., n, d) rotated at positions pos (n,) (or x (B, ..., d) with pos (B,)) back to its content.
+def centre_index(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """index_norm=centered: keys (B, Hkv, T, R, d) minus their mean over each row's real thoughts, then unit length.
 
-    Llama-style rotary pairs channel i with i + d/2 and turns each pair by pos * inv_freq[i]; turning back by the same
-    angle gives the vector as the projection wrote it, so dot products no longer depend on the two positions.
+    What every thought's summary shares (the words of the task that recur in each note, the common direction of a
+    head's keys) scores the same for all thoughts and only decides which thought wins when the query is about
+    nothing in particular: the thought that stated those words first then collects the votes. Removing the mean
+    leaves what tells thoughts apart; unit length stops a long key from winning on its norm alone.
     """
-    ang = pos.float()[..., None] * inv_freq.float()                       # (..., d/2)
-    ang = torch.cat([ang, ang], -1)                                       # (..., d)
-    cos, sin = ang.cos(), ang.sin()
-    half = x.shape[-1] // 2
-    turned = torch.cat([x[..., half:], -x[..., :half]], -1)               # -rotate_half(x)
-    return (x.float() * cos + turned.float() * sin).to(x.dtype)
+    w = valid[:, None, :, :, None].to(keys.dtype)  # (B, 1, T, R, 1)
+    mean = (keys * w).sum((2, 3), keepdim=True) / w.sum((2, 3), keepdim=True).clamp(min=1)
+    return torch.nn.functional.normalize((keys - mean) * w, dim=-1)
 
 
 def parse_boundary(spec: str) -> tuple[tuple[str, ...], frozenset[int]]:
@@ -228,6 +228,8 @@ class ZoomRLayer(KVLayer):
                 for t, x in enumerate(ix):
                     keys[b, :, t, : x.shape[1]] = x
                     valid[b, t, : x.shape[1]] = True
+            if c.method.index_norm == "centered":
+                keys = centre_index(keys, valid)
             self.stacked = (keys, valid)
         keys, valid = self.stacked  # (B, Hkv, T, R, d), (B, T, R)
         if c.content_index:  # the query turned back too: content against content, no relative position
@@ -480,10 +482,12 @@ class ZoomR(ThoughtOptions):
     detail: str = "host"
     index: str = "mean"
     index_space: str = "content"
+    index_norm: str = "none"
 
     def __post_init__(self):
         super().__post_init__()
         check_choice("index", self.index, ("mean", "max"))
+        check_choice("index_norm", self.index_norm, ("none", "centered"))
         check_choice("index_space", self.index_space, ("rotated", "content"))
         check_choice("select", self.select, ("sentence", "thought", "token"))
         check_choice("detail", self.detail, ("host", "fadkv"))
@@ -508,12 +512,3 @@ class ZoomR(ThoughtOptions):
             raise UserError("zoomr detail=fadkv codes post-RoPE keys: train with `kvzip train-dict --keys post-rope`")
         sparsity = int(dictionaries.meta.get("sparsity", 8))  # the sparsity the dictionary was trained for
         return ZoomRCache(self, layers, coder=_prepare(dictionaries, model.device), sparsity=sparsity, rope=rope)
-
-
-def rope_frequencies(model) -> torch.Tensor:
-    """The model's RoPE inverse frequencies (d/2,), for index_space=content and pick=novel; UserError without them."""
-    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
-    inv_freq = getattr(rotary, "inv_freq", None)
-    if inv_freq is None or getattr(rotary, "attention_scaling", 1.0) != 1.0:
-        raise UserError("zoomr index_space=content and pick=novel need a model with plain RoPE (a rotary_emb with inv_freq)")
-    return inv_freq
