@@ -54,10 +54,11 @@ def dense_keys_values(layer, row):
     return keys, values  # (H, T+S, d)
 
 
-@pytest.mark.parametrize("adapt", ["none", "fixed", "append"])
-def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt):
-    _, layer = make_layer(tiny_dictionaries, adapt=adapt, tau="0.2")
+@pytest.mark.parametrize("adapt, sparsity_v", [("none", "0"), ("fixed", "0"), ("append", "0"), ("fixed", "6")])
+def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, sparsity_v):
+    _, layer = make_layer(tiny_dictionaries, adapt=adapt, tau="0.2", sparsity_v=sparsity_v)
     feed(layer, 60)
+    assert layer.codes["k"][0].shape[-1] == 4 and layer.codes["v"][0].shape[-1] == (int(sparsity_v) or 4)
     assert layer.coded_pos.shape[1] > 40
     if adapt != "none":
         assert layer.replaced > 0

@@ -87,10 +87,10 @@ class FadkvLayer(KVLayer):
         self.values = torch.zeros_like(self.keys)
         self.dense_pos = torch.zeros(b, 0, dtype=torch.long, device=dev)  # (B, S)
         self.coded_pos = torch.zeros(b, 0, dtype=torch.long, device=dev)  # (B, T)
-        s = self.cfg.sparsity
         idx_dtype = torch.int16 if self.n_atoms + 4096 < 32767 else torch.int32
         self.codes = {}
         for kind in "kv":
+            s = self.cfg.atoms_per_vector(kind)
             stored, scale = coded.quantize(torch.zeros(b, h, 0, s, device=dev), self.cfg.coef)
             self.codes[kind] = [torch.zeros(b, h, 0, s, dtype=idx_dtype, device=dev), stored, scale]
         self.overlay = {kind: _Overlay(b, d, dev) for kind in "kv"}
@@ -179,24 +179,27 @@ class FadkvLayer(KVLayer):
         return out.view(b, h, g, q, d).reshape(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous()
 
     def _prerope_scores(self, qg: torch.Tensor) -> torch.Tensor:
-        """qg (B, H, G, d) against keys coded before RoPE -> (B, H, G, T): each chunk of codes is rebuilt (s atoms
-        per key), the key mean added back and RoPE applied at the token's position, then dotted with the query. The
-        rebuilt keys of one chunk are dropped before the next: O(T·s·d) work, no dense copy of the past kept."""
+        """qg (B, H, G, d) against keys coded before RoPE -> (B, H, G, T): each chunk of codes is rebuilt (one fused
+        gather-and-weighted-sum of s atoms per key, `embedding_bag`), the key mean added back and RoPE applied at the
+        token's position, then dotted with the query. A chunk's rebuilt keys are dropped before the next one: O(T·s·d)
+        work, and no dense copy of the past is ever kept."""
         k_idx, k_st, k_sc = self.codes["k"]
-        atoms = self._atom_table("k")  # (B, Ntot, d)
+        atoms = self._atom_table("k")  # (B, Ntot + 1, d)
         b, h, t, s = k_idx.shape
-        out = []
+        out = qg.new_empty(b, h, qg.shape[2], t)
         for c in range(0, t, SCORE_CHUNK):
-            idx = k_idx[:, :, c:c + SCORE_CHUNK].long()                                    # (B, H, Tc, s)
-            coef = coded.dequantize(k_st[:, :, c:c + SCORE_CHUNK], None if k_sc is None else k_sc[:, :, c:c + SCORE_CHUNK])
-            tc = idx.shape[2]
-            picked = atoms.gather(1, idx.reshape(b, -1, 1).expand(b, h * tc * s, atoms.shape[-1]))  # (B, H*Tc*s, d)
-            keys = (coef.unsqueeze(-1) * picked.view(b, h, tc, s, -1)).sum(3)               # (B, H, Tc, d)
+            part = slice(c, c + SCORE_CHUNK)
+            coef = coded.dequantize(k_st[:, :, part], None if k_sc is None else k_sc[:, :, part])  # (B, H, Tc, s)
+            tc = coef.shape[2]
+            keys = torch.stack([
+                torch.nn.functional.embedding_bag(k_idx[row, :, part].reshape(-1, s).long(), atoms[row], mode="sum",
+                                                  per_sample_weights=coef[row].reshape(-1, s))
+                for row in range(b)]).view(b, h, tc, -1)                                    # (B, H, Tc, d)
             if self.key_mean is not None:
                 keys = keys + self.key_mean[None, :, None, :]
-            keys = rotate(keys, self.coded_pos[:, None, c:c + SCORE_CHUNK], self.inv_freq)
-            out.append(qg @ keys.transpose(-1, -2))                                        # (B, H, G, Tc)
-        return torch.cat(out, -1)
+            keys = rotate(keys, self.coded_pos[:, None, part], self.inv_freq)
+            out[..., part] = qg @ keys.transpose(-1, -2)                                    # (B, H, G, Tc)
+        return out
 
     def _atom_table(self, kind: str) -> torch.Tensor:
         """(B, Ntot, d): the atoms each row sees, the shared dictionary patched by the row's overlay."""
@@ -269,8 +272,8 @@ class FadkvLayer(KVLayer):
         gram[:, ids] = rows.T
         return atoms, gram
 
-    def _coder(self, x, atoms, gram):
-        s = self.cfg.sparsity
+    def _coder(self, kind, x, atoms, gram):
+        s = self.cfg.atoms_per_vector(kind)
         if self.cfg.coder == "omp":
             return omp(x, atoms, s, gram=gram)
         return screen(x, atoms, s, n=self.cfg.pool, gram=gram, shots=self.cfg.shots, pick=self.cfg.pick)
@@ -282,7 +285,7 @@ class FadkvLayer(KVLayer):
         for row in range(b):
             flat = x[row].reshape(h * m, d)
             atoms, gram = self._row_dictionary(kind, row)
-            idx, coef = self._coder(flat, atoms, gram)
+            idx, coef = self._coder(kind, flat, atoms, gram)
             if self.cfg.adapt != "none":
                 idx, coef = self._adapt(kind, row, flat, atoms, idx, coef)
                 atoms, _ = self._row_dictionary(kind, row)
@@ -332,7 +335,7 @@ class FadkvLayer(KVLayer):
             counts[atom] = 1  # reserved: the next bad vector must not take it
             self.replaced += 1
         atoms, gram = self._row_dictionary(kind, row)
-        new_idx, new_coef = self._coder(x[bad], atoms, gram)
+        new_idx, new_coef = self._coder(kind, x[bad], atoms, gram)
         idx, coef = idx.clone(), coef.clone()
         idx[bad], coef[bad] = new_idx, new_coef
         return idx, coef
@@ -365,6 +368,7 @@ class Fadkv(Method):
     summary = "FAD-KV: dictionary-coded K/V (screening coder, fixed-size adaptive dictionary), attention on codes"
     needs_dictionary = True
     sparsity: int = 8
+    sparsity_v: int = 0  # atoms per value vector; 0: the same as `sparsity` (keys)
     coef: str = "fp8"
     coder: str = "screen"
     pool: int = 16
@@ -385,10 +389,15 @@ class Fadkv(Method):
         check_choice("adapt", self.adapt, ADAPT)
         check_choice("shots", self.shots, SHOTS)
         check_choice("pick", self.pick, PICKS)
+        if self.sparsity_v < 0:
+            raise ValueError(f"sparsity_v must be >= 0 (0: the same as sparsity), got {self.sparsity_v}")
         check_positive(sparsity=self.sparsity, pool=self.pool, chunk=self.chunk, max_new=self.max_new, tau=self.tau)
         if self.buffer < 0 or self.sinks < 0:
             raise ValueError("buffer and sinks must be >= 0")
         self.shared_bytes = 0
+
+    def atoms_per_vector(self, kind: str) -> int:
+        return self.sparsity_v if kind == "v" and self.sparsity_v else self.sparsity
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         if dictionaries is None:
@@ -400,8 +409,9 @@ class Fadkv(Method):
                             f"`kvzip train-dict --keys {self.keys}`")
         inv_freq = rope_frequencies(model, f"{self.name} keys=pre-rope") if self.keys == "pre-rope" else None
         layers, kv_heads, head_dim = model_layout(model)
-        if self.sparsity > dictionaries.keys.shape[1]:
-            raise UserError(f"sparsity {self.sparsity} exceeds the dictionary's {dictionaries.keys.shape[1]} atoms")
+        if max(self.sparsity, self.sparsity_v) > dictionaries.keys.shape[1]:
+            raise UserError(f"sparsity {max(self.sparsity, self.sparsity_v)} exceeds the dictionary's "
+                            f"{dictionaries.keys.shape[1]} atoms")
         prepared = _prepare(dictionaries, model.device)
         self.shared_bytes = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
         return FadkvCache([FadkvLayer(self, *prepared[i], inv_freq=inv_freq) for i in range(layers)], self)
