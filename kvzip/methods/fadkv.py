@@ -27,7 +27,7 @@ import torch
 from kvzip.attention import gather_mask
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
-from kvzip.rope import rope_frequencies, rotate, unrotate
+from kvzip.rope import rope_frequencies, unrotate
 from kvzip.sparse import attention as coded
 from kvzip.sparse.omp import gram_matrix, omp, reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS, screen
@@ -65,9 +65,10 @@ class _Overlay:
 
 
 class FadkvLayer(KVLayer):
-    def __init__(self, cfg: "Fadkv", d_k, d_v, g_k, g_v, key_mean, inv_freq=None):
+    def __init__(self, cfg: "Fadkv", d_k, d_v, g_k, g_v, key_mean, inv_freq=None, rope_memo=None):
         super().__init__()
         self.inv_freq = inv_freq  # RoPE frequencies (d/2,) when keys are coded before RoPE, else None
+        self.rope_memo = {} if rope_memo is None else rope_memo  # shared by a cache's layers: one RoPE table per step
         self.cfg = cfg
         self.dicts = {"k": (d_k, g_k), "v": (d_v, g_v)}  # shared (N, d) atoms and (N, N) Gram, fp32
         self.n_atoms = d_k.shape[0]
@@ -185,7 +186,9 @@ class FadkvLayer(KVLayer):
         work, and no dense copy of the past is ever kept."""
         k_idx, k_st, k_sc = self.codes["k"]
         atoms = self._atom_table("k")  # (B, Ntot + 1, d)
+        cos, sin = self._rope_table()  # (B, T, d/2) each
         b, h, t, s = k_idx.shape
+        half = self.head_dim // 2
         out = qg.new_empty(b, h, qg.shape[2], t)
         for c in range(0, t, SCORE_CHUNK):
             part = slice(c, c + SCORE_CHUNK)
@@ -196,10 +199,24 @@ class FadkvLayer(KVLayer):
                                                   per_sample_weights=coef[row].reshape(-1, s))
                 for row in range(b)]).view(b, h, tc, -1)                                    # (B, H, Tc, d)
             if self.key_mean is not None:
-                keys = keys + self.key_mean[None, :, None, :]
-            keys = rotate(keys, self.coded_pos[:, None, part], self.inv_freq)
-            out[..., part] = qg @ keys.transpose(-1, -2)                                    # (B, H, G, Tc)
+                keys += self.key_mean[None, :, None, :]
+            # RoPE on the rebuilt keys, pair (i, i + d/2) turned by pos * inv_freq[i]: written half by half
+            cs, sn = cos[:, None, part], sin[:, None, part]                                 # (B, 1, Tc, d/2)
+            x1, x2 = keys[..., :half], keys[..., half:]
+            turned = torch.empty_like(keys)
+            torch.mul(x1, cs, out=turned[..., :half]).addcmul_(x2, sn, value=-1.0)
+            torch.mul(x2, cs, out=turned[..., half:]).addcmul_(x1, sn)
+            out[..., part] = qg @ turned.transpose(-1, -2)                                 # (B, H, G, Tc)
         return out
+
+    def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (B, T, d/2) of the coded tokens' RoPE angles. Every layer codes the same positions, so the
+        table is computed by the first layer of a forward and reused by the others (kept only until the next step)."""
+        key = (self.seen, self.coded_pos.shape[1])
+        if self.rope_memo.get("key") != key:
+            ang = self.coded_pos.float()[..., None] * self.inv_freq.float()              # (B, T, d/2)
+            self.rope_memo.update(key=key, table=(ang.cos(), ang.sin()))
+        return self.rope_memo["table"]
 
     def _atom_table(self, kind: str) -> torch.Tensor:
         """(B, Ntot, d): the atoms each row sees, the shared dictionary patched by the row's overlay."""
@@ -414,7 +431,8 @@ class Fadkv(Method):
                             f"{dictionaries.keys.shape[1]} atoms")
         prepared = _prepare(dictionaries, model.device)
         self.shared_bytes = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
-        return FadkvCache([FadkvLayer(self, *prepared[i], inv_freq=inv_freq) for i in range(layers)], self)
+        memo: dict = {}
+        return FadkvCache([FadkvLayer(self, *prepared[i], inv_freq=inv_freq, rope_memo=memo) for i in range(layers)], self)
 
 
 @dataclass
