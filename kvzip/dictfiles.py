@@ -22,6 +22,19 @@ def default_dictionary_path(source, keys: str = "post-rope") -> Path:
     return dictionary_dir() / f"{source.name}{'-prerope' if keys == 'pre-rope' else ''}.safetensors"
 
 
+def _wanted_keys(method, source, strict: bool = False) -> str:
+    """The key mode of the default dictionary file for a method: its `keys` option, or with keys=auto its preferred
+    mode when that file is shipped, else the other mode's file (strict: the preferred mode, for the error message)."""
+    keys = getattr(method, "keys", "post-rope")
+    if keys != "auto":
+        return keys
+    preferred = getattr(method, "preferred_keys", "post-rope")
+    if strict or default_dictionary_path(source, preferred).is_file():
+        return preferred
+    other = "post-rope" if preferred == "pre-rope" else "pre-rope"
+    return other if default_dictionary_path(source, other).is_file() else preferred
+
+
 def dictionaries_for(method, model, source, path: Path | None = None):
     """The checked KVDictionary for a method that needs one, else None. UserError when missing or mismatched."""
     if not getattr(method, "needs_dictionary", False):
@@ -29,12 +42,12 @@ def dictionaries_for(method, model, source, path: Path | None = None):
     from kvzip.models import model_fingerprint
     from kvzip.sparse.dictionary import DictionaryError, KVDictionary
 
-    keys = getattr(method, "keys", "post-rope")
-    path = Path(path) if path is not None else default_dictionary_path(source, keys)
+    path = Path(path) if path is not None else default_dictionary_path(source, _wanted_keys(method, source))
     if not path.is_file():
         raise UserError(
-            f"method '{method.name}' needs a dictionary and {path} does not exist: "
-            f"train one with `kvzip train-dict --model {source.name} --keys {keys} --out {path}` or pass --dict"
+            f"method '{method.name}' needs a dictionary and {path} does not exist: train one with "
+            f"`kvzip train-dict --model {source.name} --keys {_wanted_keys(method, source, strict=True)} --out {path}` "
+            f"or pass --dict"
         )
     try:
         dictionary = KVDictionary.load(path, device=str(model.device))

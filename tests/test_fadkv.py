@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvzip import engine
+from kvzip.errors import UserError
 from kvzip.methods import get_method
 from kvzip.methods.fadkv import FadkvLayer, _prepare
 from kvzip.rope import rotate
@@ -183,3 +184,50 @@ def test_dictionary_size_fixed_over_8000_decoded_tokens(tokenizer, tiny_dictiona
 def test_lexico_is_omp_and_static():
     method = get_method("lexico")
     assert method.coder == "omp" and method.adapt == "none"
+
+
+def test_prerope_dictionary_through_generate_matches_dense_rebuild(tiny, tokenizer, tiny_dictionaries):
+    """keys=auto follows the dictionary: a pre-RoPE one turns keys back before coding. After a real generate with
+    left-padded rows (positions from the engine, one RoPE table shared by the layers), every layer's attention on the
+    codes equals attention over its keys rebuilt densely and rotated at their positions."""
+    from kvzip.sparse.dictionary import KVDictionary
+
+    meta = {**tiny_dictionaries.meta, "keys": "pre-rope"}
+    prerope = KVDictionary(keys=tiny_dictionaries.keys, values=tiny_dictionaries.values, meta=meta,
+                           key_mean=torch.randn(tiny.config.num_hidden_layers, 2, 16) * 0.1)
+    method = get_method("fadkv", SMALL)
+    cache = method.make_cache(tiny, prerope)
+    assert all(lay.inv_freq is not None for lay in cache.layers)
+    prompts = [tokenizer("a short one")["input_ids"], tokenizer("a somewhat longer prompt for the second row")["input_ids"]]
+    list(engine.generate(tiny, tokenizer, prompts, cache, engine.Settings(max_new_tokens=30, ignore_eos=True)))
+    g = torch.Generator().manual_seed(1)
+    for layer in cache.layers[:2]:
+        assert layer.coded_pos.shape[1] > 20
+        query = torch.randn(2, 4, 1, 16, generator=g)
+        got = layer._attention(query, None, 0.25)
+        for row in range(2):
+            keys, values = dense_keys_values(layer, row)
+            keys, values = keys.repeat_interleave(2, 0), values.repeat_interleave(2, 0)
+            w = torch.softmax(query[row] @ keys.transpose(-1, -2) * 0.25, -1)
+            torch.testing.assert_close(got[row], (w @ values).transpose(0, 1), rtol=1e-4, atol=1e-4)
+    with pytest.raises(UserError, match="keys=post-rope needs a dictionary of post-rope keys"):
+        get_method("fadkv", {**SMALL, "keys": "post-rope"}).make_cache(tiny, prerope)
+
+
+@pytest.mark.parametrize("name", ["fadkv", "lexico"])
+def test_left_padded_row_decodes_like_the_row_alone(tiny, tokenizer, tiny_dictionaries, name):
+    """A left-padded batch row: the padding's zero keys code to all-zero coefficients (their fp8 scale must not
+    underflow to 0, or 0/0 is NaN) and its fully masked queries get zero weights; either NaN used to reach the whole
+    row through the per-atom value sums, and the row decoded token 0 forever."""
+    opts = {**SMALL, "coder": "omp"} if name == "lexico" else SMALL
+    prompts = [tokenizer("a short one")["input_ids"], tokenizer("a somewhat longer prompt for the second row")["input_ids"]]
+    settings = engine.Settings(max_new_tokens=12, ignore_eos=True)
+
+    def tokens(batch):
+        cache = get_method(name, opts).make_cache(tiny, tiny_dictionaries)
+        out = [e.token_ids for e in engine.generate(tiny, tokenizer, batch, cache, settings) if isinstance(e, engine.Result)]
+        assert not any(bool(c[1].float().isnan().any()) for lay in cache.layers for c in lay.codes.values())
+        return out
+
+    batched, alone = tokens(prompts), tokens(prompts[:1])
+    assert batched[0][:8] == alone[0][:8]

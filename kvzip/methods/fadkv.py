@@ -20,6 +20,7 @@ sequence sees stays N. `adapt=append` grows the overlay past N instead (the abla
 from __future__ import annotations
 
 import time
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ from kvzip.sparse.omp import gram_matrix, omp, reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS, screen
 
 ADAPT = ("fixed", "append", "none")
-KEY_MODES = ("post-rope", "pre-rope")
+KEY_MODES = ("auto", "pre-rope", "post-rope")
 # pre-RoPE scores rebuild at most this many coded keys at a time (per row and KV head): never a dense copy of the past
 SCORE_CHUNK = 1024
 CODERS = ("screen", "omp")
@@ -171,7 +172,10 @@ class FadkvLayer(KVLayer):
         if allowed is not None:
             allowed = allowed.expand(b, q, allowed.shape[-1]).view(b, 1, 1, q, -1).expand(b, h, g, q, allowed.shape[-1]).reshape(b, h, g * q, -1)
             scores = scores.masked_fill(~allowed, float("-inf"))
-        w = torch.softmax(scores, dim=-1)
+        # A left-padding query sees nothing: its softmax is NaN. Its weights become 0, so its output (and the keys and
+        # values the next layer computes for that padding) stay finite: a NaN coded there would reach the whole
+        # row through the per-atom value sums (0 x NaN).
+        w = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out = w[..., t:] @ self.values.float()  # (B, H, gq, d)
         if t:
             v_idx, v_st, v_sc = self.codes["v"]
@@ -397,7 +401,8 @@ class Fadkv(Method):
     buffer: int = 128
     chunk: int = 32
     sinks: int = 4
-    keys: str = "post-rope"
+    keys: str = "auto"  # auto: as the dictionary was trained; the default file is the pre-RoPE one when shipped
+    preferred_keys: typing.ClassVar[str] = "pre-rope"
 
     def __post_init__(self):
         check_choice("coef", self.coef, coded.COEF_FORMATS)
@@ -420,11 +425,11 @@ class Fadkv(Method):
         if dictionaries is None:
             raise UserError(f"method '{self.name}' needs a dictionary: train one with `kvzip train-dict`")
         trained = dictionaries.meta.get("keys", "post-rope")
-        if trained != self.keys:
+        if self.keys != "auto" and trained != self.keys:
             raise UserError(f"method '{self.name}' with keys={self.keys} needs a dictionary of {self.keys} keys; this one "
                             f"was trained on {trained} keys: pass another --dict or train one with "
                             f"`kvzip train-dict --keys {self.keys}`")
-        inv_freq = rope_frequencies(model, f"{self.name} keys=pre-rope") if self.keys == "pre-rope" else None
+        inv_freq = rope_frequencies(model, f"{self.name} with a pre-RoPE dictionary") if trained == "pre-rope" else None
         layers, kv_heads, head_dim = model_layout(model)
         if max(self.sparsity, self.sparsity_v) > dictionaries.keys.shape[1]:
             raise UserError(f"sparsity {max(self.sparsity, self.sparsity_v)} exceeds the dictionary's "
@@ -443,6 +448,7 @@ class Lexico(Fadkv):
     summary = "Lexico: dictionary-coded K/V with OMP and a static dictionary (the FAD-KV baseline)"
     coder: str = "omp"
     adapt: str = "none"
+    preferred_keys: typing.ClassVar[str] = "post-rope"  # as Lexico codes them (q·D shared by every token)
 
 
 def _prepare(dictionaries, device):

@@ -21,14 +21,19 @@ def quantize(coef: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor |
     """coef (..., s) float -> (stored (..., s), scale (..., 1) fp16 or None)."""
     if fmt == "fp16":
         return coef.half(), None
-    amax = coef.abs().amax(-1, keepdim=True).float().clamp(min=1e-8)  # (..., 1)
+    amax = coef.abs().amax(-1, keepdim=True).float()  # (..., 1)
     if fmt == "int8":
-        scale = (amax / 127).half()
+        scale = _half_scale(amax / 127)
         return (coef.float() / scale.float()).round().clamp(-127, 127).to(torch.int8), scale
     if fmt == "fp8":
-        scale = (amax / 448).half()
+        scale = _half_scale(amax / 448)
         return (coef.float() / scale.float()).to(torch.float8_e4m3fn), scale
     raise ValueError(f"coefficient format {fmt!r} is not one of {', '.join(COEF_FORMATS)}")
+
+
+def _half_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A per-vector scale as fp16, never 0: an all-zero code (a padding token's zero key) would otherwise divide 0 by 0."""
+    return scale.clamp(min=2.0 ** -24).half()
 
 
 def dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
