@@ -109,7 +109,7 @@ def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
 
 def test_index_max_scores_a_thought_by_its_best_matching_summary_key(tiny):
     """index=max: thought 1 holds, among two summary keys, the one the query points at; its mean would not win."""
-    cache = get_method("zoomr", {"k": "1", "c": "1", "index": "max", "index_space": "rotated"}).make_cache(tiny)
+    cache = get_method("zoomr", {"k": "1", "c": "1", "index": "max", "index_space": "rotated", "index_norm": "none"}).make_cache(tiny)
     layer = cache.layers[0]
     layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
     target = torch.nn.functional.normalize(torch.ones(2, 16), dim=-1)

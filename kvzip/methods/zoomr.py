@@ -475,6 +475,7 @@ class ZoomR(ThoughtOptions):
     name = "zoomr"
     summary = "thoughts indexed by summaries; zoom-in to the most-voted thoughts' full KV; detail off the device"
     pick: str = "novel"
+    r: int = 8
     k: int = 2
     c: int = 2
     select: str = "token"
@@ -482,7 +483,7 @@ class ZoomR(ThoughtOptions):
     detail: str = "host"
     index: str = "mean"
     index_space: str = "content"
-    index_norm: str = "none"
+    index_norm: str = "centered"
 
     def __post_init__(self):
         super().__post_init__()
