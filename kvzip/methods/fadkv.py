@@ -307,10 +307,9 @@ class FadkvLayer(KVLayer):
             flat = x[row].reshape(h * m, d)
             atoms, gram = self._row_dictionary(kind, row)
             idx, coef = self._coder(kind, flat, atoms, gram)
+            err = _relative_error(flat, atoms, idx, coef)
             if self.cfg.adapt != "none":
-                idx, coef = self._adapt(kind, row, flat, atoms, idx, coef)
-                atoms, _ = self._row_dictionary(kind, row)
-            err = (flat - reconstruct(atoms, idx, coef)).norm(dim=-1) / flat.norm(dim=-1).clamp(min=1e-8)
+                idx, coef, err = self._adapt(kind, row, flat, atoms, idx, coef, err)
             self.residual_sum += float(err.sum())
             self.coded_vectors += flat.shape[0]
             self._count(kind, row, idx)
@@ -328,21 +327,22 @@ class FadkvLayer(KVLayer):
         self.refcount[kind][row].scatter_add_(0, flat, torch.ones_like(flat))
         self.last_used[kind][row, flat] = self.seen
 
-    def _adapt(self, kind, row, x, atoms, idx, coef):
-        """Turn the residuals of the worst-coded vectors into atoms (replacing inactive ones), then re-code them."""
-        res = x - reconstruct(atoms, idx, coef)  # (M, d)
-        err = res.norm(dim=-1) / x.norm(dim=-1).clamp(min=1e-8)
+    def _adapt(self, kind, row, x, atoms, idx, coef, err):
+        """Turn the residuals of the worst-coded vectors into atoms (replacing inactive ones), then re-code them.
+        Returns idx, coef and the relative errors err (M,), updated where vectors were re-coded."""
         bad = (err > self.cfg.tau).nonzero().flatten()
         if len(bad) == 0:
-            return idx, coef
+            return idx, coef, err
         bad = bad[err[bad].argsort(descending=True)][: self.cfg.max_new]
+        res = x[bad] - reconstruct(atoms, idx[bad], coef[bad])  # (nb, d)
+        placed = 0
         n_tot = self._n_total(kind)
         counts = torch.zeros(n_tot, dtype=torch.long, device=x.device)
         counts[: self.refcount[kind].shape[1]] += self.refcount[kind][row][:n_tot]
         counts.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
         last = torch.full((n_tot,), -1, dtype=torch.long, device=x.device)
         last[: self.last_used[kind].shape[1]] = self.last_used[kind][row][:n_tot]
-        for i in bad.tolist():
+        for i in range(len(bad)):
             if self.cfg.adapt == "fixed":
                 free = (counts == 0).nonzero().flatten()
                 if len(free) == 0:
@@ -355,11 +355,20 @@ class FadkvLayer(KVLayer):
             self.overlay[kind].put(row, atom, res[i] / res[i].norm().clamp(min=1e-8))
             counts[atom] = 1  # reserved: the next bad vector must not take it
             self.replaced += 1
+            placed += 1
+        if placed == 0:  # no inactive atom to replace: re-coding would give the same codes
+            return idx, coef, err
         atoms, gram = self._row_dictionary(kind, row)
         new_idx, new_coef = self._coder(kind, x[bad], atoms, gram)
-        idx, coef = idx.clone(), coef.clone()
+        idx, coef, err = idx.clone(), coef.clone(), err.clone()
         idx[bad], coef[bad] = new_idx, new_coef
-        return idx, coef
+        err[bad] = _relative_error(x[bad], atoms, new_idx, new_coef)  # other codes use no replaced atom
+        return idx, coef, err
+
+
+def _relative_error(x, atoms, idx, coef) -> torch.Tensor:
+    """||x - D c|| / ||x|| per row of x (M, d) for codes idx, coef (M, s) over atoms (N, d)."""
+    return (x - reconstruct(atoms, idx, coef)).norm(dim=-1) / x.norm(dim=-1).clamp(min=1e-8)
 
 
 class FadkvCache(KVCache):
