@@ -7,23 +7,37 @@ import torch
 from kvzip.errors import UserError
 
 
+def angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (..., d/2) of the RoPE angles pos * inv_freq[i] at positions pos (...)."""
+    ang = pos.float()[..., None] * inv_freq.float()
+    return ang.cos(), ang.sin()
+
+
+def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama-style rotary on fp32 x (..., d): channel i pairs with i + d/2 and each pair turns by the angle whose cos
+    and sin (..., d/2) are given (negate sin to turn back). Written half by half, no concatenated copies."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x.new_empty(*torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1]), x.shape[-1])
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
+    return out
+
+
 def unrotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Undo RoPE: x (..., n, d) rotated at positions pos (n,) (or x (B, ..., d) with pos (B,)) back to its content.
 
-    Llama-style rotary pairs channel i with i + d/2 and turns each pair by pos * inv_freq[i]; turning back by the same
-    angle gives the vector as the projection wrote it, so dot products no longer depend on the two positions.
+    Turning back by the same angle gives the vector as the projection wrote it, so dot products no longer depend on
+    the two positions.
     """
-    ang = pos.float()[..., None] * inv_freq.float()                       # (..., d/2)
-    ang = torch.cat([ang, ang], -1)                                       # (..., d)
-    cos, sin = ang.cos(), ang.sin()
-    half = x.shape[-1] // 2
-    turned = torch.cat([x[..., half:], -x[..., :half]], -1)               # -rotate_half(x)
-    return (x.float() * cos + turned.float() * sin).to(x.dtype)
+    cos, sin = angles(pos, inv_freq)
+    return turn(x.float(), cos, -sin).to(x.dtype)
 
 
 def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE at positions pos: the inverse of `unrotate` (turning back by -pos is turning forward by pos)."""
-    return unrotate(x, -pos, inv_freq)
+    """Apply RoPE at positions pos: the inverse of `unrotate`."""
+    cos, sin = angles(pos, inv_freq)
+    return turn(x.float(), cos, sin).to(x.dtype)
 
 
 def rope_frequencies(model, what: str = "zoomr index_space=content and pick=novel") -> torch.Tensor:

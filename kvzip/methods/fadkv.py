@@ -28,7 +28,7 @@ import torch
 from kvzip.attention import gather_mask
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
-from kvzip.rope import rope_frequencies, unrotate
+from kvzip.rope import angles, rope_frequencies, turn, unrotate
 from kvzip.sparse import attention as coded
 from kvzip.sparse.omp import gram_matrix, omp, reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS, screen
@@ -192,7 +192,6 @@ class FadkvLayer(KVLayer):
         atoms = self._atom_table("k")  # (B, Ntot + 1, d)
         cos, sin = self._rope_table()  # (B, T, d/2) each
         b, h, t, s = k_idx.shape
-        half = self.head_dim // 2
         out = qg.new_empty(b, h, qg.shape[2], t)
         for c in range(0, t, SCORE_CHUNK):
             part = slice(c, c + SCORE_CHUNK)
@@ -204,12 +203,7 @@ class FadkvLayer(KVLayer):
                 for row in range(b)]).view(b, h, tc, -1)                                    # (B, H, Tc, d)
             if self.key_mean is not None:
                 keys += self.key_mean[None, :, None, :]
-            # RoPE on the rebuilt keys, pair (i, i + d/2) turned by pos * inv_freq[i]: written half by half
-            cs, sn = cos[:, None, part], sin[:, None, part]                                 # (B, 1, Tc, d/2)
-            x1, x2 = keys[..., :half], keys[..., half:]
-            turned = torch.empty_like(keys)
-            torch.mul(x1, cs, out=turned[..., :half]).addcmul_(x2, sn, value=-1.0)
-            torch.mul(x2, cs, out=turned[..., half:]).addcmul_(x1, sn)
+            turned = turn(keys, cos[:, None, part], sin[:, None, part])                     # RoPE at each position
             out[..., part] = qg @ turned.transpose(-1, -2)                                 # (B, H, G, Tc)
         return out
 
@@ -218,8 +212,7 @@ class FadkvLayer(KVLayer):
         table is computed by the first layer of a forward and reused by the others (kept only until the next step)."""
         key = (self.seen, self.coded_pos.shape[1])
         if self.rope_memo.get("key") != key:
-            ang = self.coded_pos.float()[..., None] * self.inv_freq.float()              # (B, T, d/2)
-            self.rope_memo.update(key=key, table=(ang.cos(), ang.sin()))
+            self.rope_memo.update(key=key, table=angles(self.coded_pos, self.inv_freq))
         return self.rope_memo["table"]
 
     def _atom_table(self, kind: str) -> torch.Tensor:
