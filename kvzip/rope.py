@@ -13,6 +13,31 @@ def angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, tor
     return ang.cos(), ang.sin()
 
 
+def to_pairs(x: torch.Tensor) -> torch.Tensor:
+    """x (..., d) with channels reordered so that each RoPE pair (i, i + d/2) sits side by side. Viewed as d/2
+    complex numbers, a vector in this order turns by one complex product with `phasors` (on CPU ~3x faster than
+    `turn`'s four ops), and dot products between two vectors in the same order are unchanged."""
+    return x.unflatten(-1, (2, x.shape[-1] // 2)).transpose(-1, -2).flatten(-2)
+
+
+def from_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_pairs`: back to the model's channel order."""
+    return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+
+
+def turn_pairs(x: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+    """Turn x (..., d), fp32 contiguous and in `to_pairs` order, in place by `phasors` (..., d/2); returns x."""
+    torch.view_as_complex(x.view(*x.shape[:-1], x.shape[-1] // 2, 2)).mul_(turns)
+    return x
+
+
+def phasors(pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """exp(i · pos · inv_freq) (..., d/2) complex64: the RoPE turn at positions pos (...), for vectors in `to_pairs`
+    order (the conjugate turns back)."""
+    ang = pos.float()[..., None] * inv_freq.float()
+    return torch.polar(torch.ones_like(ang), ang)
+
+
 def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Llama-style rotary on fp32 x (..., d): channel i pairs with i + d/2 and each pair turns by the angle whose cos
     and sin (..., d/2) are given (negate sin to turn back). Written half by half, no concatenated copies."""

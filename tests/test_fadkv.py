@@ -10,7 +10,7 @@ from kvzip import engine
 from kvzip.errors import UserError
 from kvzip.methods import get_method
 from kvzip.methods.fadkv import FadkvLayer, _prepare
-from kvzip.rope import rotate
+from kvzip.rope import from_pairs, rotate
 from kvzip.sparse.omp import reconstruct
 
 SMALL = {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2"}
@@ -18,7 +18,8 @@ SMALL = {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2"
 
 def make_layer(tiny_dictionaries, batch=1, heads=2, inv_freq=None, **opts):
     method = get_method("fadkv", {**SMALL, **opts})
-    d_k, d_v, g_k, g_v, _ = _prepare(tiny_dictionaries, "cpu")[0]
+    # pre-RoPE layers keep key atoms (and the key mean, random here) in to_pairs order
+    d_k, d_v, g_k, g_v, _ = _prepare(tiny_dictionaries, "cpu", paired=inv_freq is not None)[0]
     mean = torch.randn(heads, d_k.shape[1], generator=torch.Generator().manual_seed(0)) * 0.3
     return method, FadkvLayer(method, d_k, d_v, g_k, g_v, mean, inv_freq=inv_freq)
 
@@ -48,8 +49,8 @@ def dense_keys_values(layer, row):
         vec = reconstruct(row_atoms(layer, kind, row), idx[row].long().reshape(-1, s), coef[row].reshape(-1, s))
         rebuilt[kind] = vec.view(h, t, -1)
     coded_keys = rebuilt["k"] + layer.key_mean[:, None]
-    if layer.inv_freq is not None:  # keys=pre-rope: the codes hold content keys; RoPE goes on after rebuilding
-        coded_keys = rotate(coded_keys, layer.coded_pos[row], layer.inv_freq)
+    if layer.inv_freq is not None:  # keys=pre-rope: the codes hold content keys in pair order; RoPE goes on after
+        coded_keys = rotate(from_pairs(coded_keys), layer.coded_pos[row], layer.inv_freq)
     keys = torch.cat([coded_keys, layer.keys[row].float()], 1)
     values = torch.cat([rebuilt["v"], layer.values[row].float()], 1)
     return keys, values  # (H, T+S, d)
@@ -91,12 +92,42 @@ def test_prerope_attention_equals_dense_reference(tiny_dictionaries, adapt, monk
     torch.testing.assert_close(got, (w @ values).transpose(0, 1)[None], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("adapt", ["none", "fixed"])
+def test_rebuilt_values_equal_per_atom_sums(tiny_dictionaries, adapt, monkeypatch):
+    """Many query rows (a follow-up prompt) rebuild coded values chunk by chunk; decoding sums weights per atom. The two
+    give the same weighted sum, overlay atoms included."""
+    import kvzip.methods.fadkv as fadkv_module
+    from kvzip.sparse import attention as coded
+
+    monkeypatch.setattr(fadkv_module, "SCORE_CHUNK", 5)
+    _, layer = make_layer(tiny_dictionaries, adapt=adapt, tau="0.2")
+    feed(layer, 60)
+    if adapt != "none":
+        assert layer.replaced > 0
+    t = layer.coded_pos.shape[1]
+    w = torch.rand(1, 2, 6, t)
+    idx, st, sc = layer.codes["v"]
+    per_atom = layer._values_from_atoms("v", coded.atom_weights(w, idx.long(), coded.dequantize(st, sc),
+                                                                layer._n_total("v") + 1))
+    torch.testing.assert_close(layer._rebuilt_values(w), per_atom, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_table_matches_cast():
+    from kvzip.sparse import attention as coded
+
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(2, 8, 16)
+    expected = every.float()
+    got = coded.dequantize(every, None)
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite], expected[finite]) and got[~finite].isnan().all()
+
+
 def test_prerope_codes_content_keys(tiny_dictionaries):
     """A key stored post-RoPE at position p is coded as its content (RoPE undone): with a dictionary holding that
     content as an atom, the code is exact, which a post-RoPE coder would miss."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
     _, layer = make_layer(tiny_dictionaries, keys="pre-rope", inv_freq=inv_freq, sinks="0", buffer="0", chunk="1")
-    content = layer.dicts["k"][0][5] * 2.0 + layer.key_mean[0]  # (d,) atom 5, scaled, plus the head's key mean
+    content = from_pairs(layer.dicts["k"][0][5] * 2.0 + layer.key_mean[0])  # (d,) atom 5, scaled, plus the head's key mean
     layer.update(rotate(content, torch.tensor([0]), inv_freq).view(1, 1, 1, 16).expand(1, 2, 1, 16).clone(),
                  torch.randn(1, 2, 1, 16))
     layer.update(rotate(content, torch.tensor([1]), inv_freq).view(1, 1, 1, 16).expand(1, 2, 1, 16).clone(),

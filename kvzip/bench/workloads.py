@@ -9,8 +9,9 @@
   parsed from `#### N`, else the last number, equals the reference (meaningful only for a model that can solve GSM8K).
 - `recall`: `kvzip.bench.recall.recall_probe` (facts early, question late, likelihood-ranked), when that module exists.
 - `speed`: prefill and decode on prose at each context: time to first token, prefill tok/s, decode tok/s as
-  1 / median step time (robust to a loaded machine), the median over `repeats` runs after a warm-up. Each repeat
-  is paired with a `full` run right after it; speed_ratio_vs_full is the median of the paired ratios.
+  decode steps over their total time (so work a method does every few tokens, such as fadkv coding a chunk or zoomr
+  closing a thought, is counted; a median step would hide it), the median over `repeats` runs after a warm-up. Each
+  repeat is paired with a `full` run right after it; speed_ratio_vs_full is the median of the paired ratios.
 
 Every workload returns a record dict with kv_bytes_peak, kv_bytes_device_peak, kv_ratio_vs_full_fp16 (peak bytes over
 the fp16 full cache's bytes for the same tokens), decode_tokens_per_s and its quality fields. When several contexts
@@ -204,7 +205,7 @@ def recall(ctx: Context, label: str, method, dictionaries) -> dict:
 
 
 def _timed_generate(ctx: Context, method, dictionaries, ids: list[int], settings, peak: Peak | None = None):
-    """(ttft seconds, decode tok/s as 1 / median step time, method stats) of one generation."""
+    """(ttft seconds, decode tok/s as steps / their total time, method stats) of one generation."""
     cache = method.make_cache(ctx.model, dictionaries)
     steps, last, ttft, stats = [], 0.0, 0.0, {}
     for event in engine.generate(ctx.model, ctx.tokenizer, [ids], cache, settings):
@@ -216,7 +217,7 @@ def _timed_generate(ctx: Context, method, dictionaries, ids: list[int], settings
             last = event.elapsed_s
         elif isinstance(event, engine.Result):
             ttft, stats = event.stats["ttft_s"], event.stats["method_stats"]
-    return ttft, 1 / statistics.median(steps), stats
+    return ttft, len(steps) / sum(steps), stats
 
 
 def speed(ctx: Context, label: str, method, dictionaries) -> dict:

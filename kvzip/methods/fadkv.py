@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzip.attention import gather_mask
+from kvzip.attention import dense_attention, gather_mask
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
-from kvzip.rope import angles, rope_frequencies, turn, unrotate
+from kvzip.rope import phasors, rope_frequencies, to_pairs, turn_pairs
 from kvzip.sparse import attention as coded
 from kvzip.sparse.omp import gram_matrix, omp, reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS, screen
@@ -36,7 +36,7 @@ from kvzip.sparse.screen import PICKS, SHOTS, screen
 ADAPT = ("fixed", "append", "none")
 KEY_MODES = ("auto", "pre-rope", "post-rope")
 # pre-RoPE scores rebuild at most this many coded keys at a time (per row and KV head): never a dense copy of the past
-SCORE_CHUNK = 1024
+SCORE_CHUNK = 2048
 CODERS = ("screen", "omp")
 
 
@@ -73,7 +73,7 @@ class FadkvLayer(KVLayer):
         self.cfg = cfg
         self.dicts = {"k": (d_k, g_k), "v": (d_v, g_v)}  # shared (N, d) atoms and (N, N) Gram, fp32
         self.n_atoms = d_k.shape[0]
-        self.key_mean = key_mean  # (Hkv, d) or None
+        self.key_mean = key_mean  # (Hkv, d) or None; with inv_freq, it and d_k are in `to_pairs` order
         self.coded_vectors = 0
         self.residual_sum = 0.0
         self.replaced = 0
@@ -150,23 +150,25 @@ class FadkvLayer(KVLayer):
 
     def _attention(self, query, mask, scaling):
         b, hq, q, d = query.shape
+        t = self.coded_pos.shape[1]
+        if t == 0:  # nothing coded yet (the prompt's own forward): plain SDPA over the dense tier, as `full` runs it
+            out = dense_attention(query, self.keys.to(query.dtype), self.values.to(query.dtype), mask, scaling,
+                                  positions=self.dense_pos)
+            return out.nan_to_num(0.0)  # a left-padding query sees nothing: keep its (never used) output finite
         h = self.kv_heads
         g = hq // h
         qg = query.float().reshape(b, h, g * q, d)  # (B, H, g*q, d): query heads grouped under their KV head
         dense_scores = qg @ self.keys.float().transpose(-1, -2)  # (B, H, gq, S)
-        t = self.coded_pos.shape[1]
-        if t and self.inv_freq is not None:
+        if self.inv_freq is not None:
             scores = torch.cat([self._prerope_scores(qg), dense_scores], -1)
             positions = torch.cat([self.coded_pos, self.dense_pos], 1)
-        elif t:
+        else:
             k_idx, k_st, k_sc = self.codes["k"]
-            k_scores = coded.coded_scores(self._atom_scores("k", qg), k_idx.long(), coded.dequantize(k_st, k_sc))
+            k_scores = coded.coded_scores(self._atom_scores("k", qg), k_idx, coded.dequantize(k_st, k_sc))
             if self.key_mean is not None:
                 k_scores = k_scores + qg @ self.key_mean[None, :, :, None].float()  # (B, H, gq, 1)
             scores = torch.cat([k_scores, dense_scores], -1)
             positions = torch.cat([self.coded_pos, self.dense_pos], 1)
-        else:
-            scores, positions = dense_scores, self.dense_pos
         scores = scores * scaling  # (B, H, gq, T+S)
         allowed = self._allowed(mask, positions, q, scores.shape[-1], query.device)
         if allowed is not None:
@@ -177,42 +179,64 @@ class FadkvLayer(KVLayer):
         # row through the per-atom value sums (0 x NaN).
         w = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out = w[..., t:] @ self.values.float()  # (B, H, gq, d)
-        if t:
+        if q > 1:  # several query positions (a follow-up prompt) share each rebuilt value: rebuild chunk by chunk
+            out = out + self._rebuilt_values(w[..., :t])
+        else:  # decoding: weights summed per atom, one product with the value dictionary
             v_idx, v_st, v_sc = self.codes["v"]
-            w_atoms = coded.atom_weights(w[..., :t], v_idx.long(), coded.dequantize(v_st, v_sc), self._n_total("v") + 1)
+            w_coded = w[..., :t] if v_sc is None else w[..., :t] * v_sc.float().transpose(-1, -2)  # scales folded in
+            w_atoms = coded.atom_weights(w_coded, v_idx.long(), coded.dequantize(v_st, None), self._n_total("v") + 1)
             out = out + self._values_from_atoms("v", w_atoms)
         return out.view(b, h, g, q, d).reshape(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous()
 
+    def _rebuilt_values(self, w: torch.Tensor) -> torch.Tensor:
+        """w (B, H, G, T) weights of the coded tokens -> Σ_t w_t v_t (B, H, G, d), each chunk of coded values rebuilt
+        (`embedding_bag`) and dropped before the next. For many query rows this is far cheaper than per-atom sums,
+        whose cost grows with the rows (G·T·s scatter-adds against T·s·d multiply-adds here)."""
+        v_idx, v_st, v_sc = self.codes["v"]
+        atoms = self._atom_table("v")  # (B, Ntot + 1, d)
+        b, n, d = atoms.shape
+        atoms = atoms.reshape(b * n, d)
+        rows = coded.row_offsets(b, n, w.device)
+        out = w.new_zeros(*w.shape[:3], d)
+        for c in range(0, w.shape[-1], SCORE_CHUNK):
+            part = slice(c, c + SCORE_CHUNK)
+            coef = coded.dequantize(v_st[:, :, part], None if v_sc is None else v_sc[:, :, part])  # (B, H, Tc, s)
+            out += w[..., part] @ coded.gather_sum(v_idx[:, :, part].int() + rows, coef, atoms)   # (B, H, G, d)
+        return out
+
     def _prerope_scores(self, qg: torch.Tensor) -> torch.Tensor:
         """qg (B, H, G, d) against keys coded before RoPE -> (B, H, G, T): each chunk of codes is rebuilt (one fused
-        gather-and-weighted-sum of s atoms per key, `embedding_bag`), the key mean added back and RoPE applied at the
-        token's position, then dotted with the query. A chunk's rebuilt keys are dropped before the next one: O(T·s·d)
-        work, and no dense copy of the past is ever kept."""
+        gather-and-weighted-sum of s atoms per key, `embedding_bag`, every row and KV head in one call), the key mean
+        added back and RoPE applied at the token's position, then dotted with the query. A chunk's rebuilt keys are
+        dropped before the next one: O(T·s·d) work, and no dense copy of the past is ever kept.
+        Atoms and key mean are stored in `to_pairs` order (and the query taken in it: a dot product does not care),
+        so RoPE is one in-place complex product per chunk."""
         k_idx, k_st, k_sc = self.codes["k"]
-        atoms = self._atom_table("k")  # (B, Ntot + 1, d)
-        cos, sin = self._rope_table()  # (B, T, d/2) each
-        b, h, t, s = k_idx.shape
-        out = qg.new_empty(b, h, qg.shape[2], t)
+        atoms = self._atom_table("k")  # (B, Ntot + 1, d), in pair order like the codes
+        b, n, d = atoms.shape
+        atoms = atoms.reshape(b * n, d)  # each row's atoms in its own block of n
+        rows = coded.row_offsets(b, n, qg.device)
+        mean = None if self.key_mean is None else self.key_mean[None, :, None, :]  # (1, H, 1, d)
+        qp = to_pairs(qg)
+        turns = self._rope_table()  # (B, T, d/2) complex
+        t = k_idx.shape[2]
+        out = qg.new_empty(*qg.shape[:3], t)
         for c in range(0, t, SCORE_CHUNK):
             part = slice(c, c + SCORE_CHUNK)
             coef = coded.dequantize(k_st[:, :, part], None if k_sc is None else k_sc[:, :, part])  # (B, H, Tc, s)
-            tc = coef.shape[2]
-            keys = torch.stack([
-                torch.nn.functional.embedding_bag(k_idx[row, :, part].reshape(-1, s).long(), atoms[row], mode="sum",
-                                                  per_sample_weights=coef[row].reshape(-1, s))
-                for row in range(b)]).view(b, h, tc, -1)                                    # (B, H, Tc, d)
-            if self.key_mean is not None:
-                keys += self.key_mean[None, :, None, :]
-            turned = turn(keys, cos[:, None, part], sin[:, None, part])                     # RoPE at each position
-            out[..., part] = qg @ turned.transpose(-1, -2)                                 # (B, H, G, Tc)
+            keys = coded.gather_sum(k_idx[:, :, part].int() + rows, coef, atoms)               # (B, H, Tc, d)
+            if mean is not None:
+                keys += mean
+            turn_pairs(keys, turns[:, None, part])                                          # RoPE at each position
+            out[..., part] = qp @ keys.transpose(-1, -2)                                   # (B, H, G, Tc)
         return out
 
-    def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (B, T, d/2) of the coded tokens' RoPE angles. Every layer codes the same positions, so the
+    def _rope_table(self) -> torch.Tensor:
+        """RoPE turns (B, T, d/2) complex of the coded tokens' positions. Every layer codes the same positions, so the
         table is computed by the first layer of a forward and reused by the others (kept only until the next step)."""
         key = (self.seen, self.coded_pos.shape[1])
         if self.rope_memo.get("key") != key:
-            self.rope_memo.update(key=key, table=angles(self.coded_pos, self.inv_freq))
+            self.rope_memo.update(key=key, table=phasors(self.coded_pos, self.inv_freq))
         return self.rope_memo["table"]
 
     def _atom_table(self, kind: str) -> torch.Tensor:
@@ -248,8 +272,8 @@ class FadkvLayer(KVLayer):
         sl = slice(sinks, sinks + m)
         t0 = time.perf_counter()
         k = self.keys[:, :, sl].float()  # (B, H, m, d)
-        if self.inv_freq is not None:  # keys=pre-rope: code the key as k_proj wrote it
-            k = unrotate(k, self.dense_pos[:, None, sl], self.inv_freq)
+        if self.inv_freq is not None:  # keys=pre-rope: code the key as k_proj wrote it, in pair order
+            k = turn_pairs(to_pairs(k), phasors(self.dense_pos[:, None, sl], self.inv_freq).conj())
         if self.key_mean is not None:
             k = k - self.key_mean[None, :, None, :]
         for kind, x in (("k", k), ("v", self.values[:, :, sl].float())):
@@ -436,7 +460,7 @@ class Fadkv(Method):
         if max(self.sparsity, self.sparsity_v) > dictionaries.keys.shape[1]:
             raise UserError(f"sparsity {max(self.sparsity, self.sparsity_v)} exceeds the dictionary's "
                             f"{dictionaries.keys.shape[1]} atoms")
-        prepared = _prepare(dictionaries, model.device)
+        prepared = _prepare(dictionaries, model.device, paired=inv_freq is not None)
         self.shared_bytes = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
         memo: dict = {}
         return FadkvCache([FadkvLayer(self, *prepared[i], inv_freq=inv_freq, rope_memo=memo) for i in range(layers)], self)
@@ -453,9 +477,10 @@ class Lexico(Fadkv):
     preferred_keys: typing.ClassVar[str] = "post-rope"  # as Lexico codes them (q·D shared by every token)
 
 
-def _prepare(dictionaries, device):
-    """Per layer: fp32 atoms and Gram matrices on the device, computed once per dictionary object."""
-    key = str(device)
+def _prepare(dictionaries, device, paired: bool = False):
+    """Per layer: fp32 atoms and Gram matrices on the device, computed once per dictionary object. `paired`: key atoms
+    and key mean in `to_pairs` order, as pre-RoPE layers keep them (the Gram matrix does not change)."""
+    key = (str(device), paired)
     cache = dictionaries.__dict__.setdefault("_prepared", {})
     if key not in cache:
         out = []
@@ -463,6 +488,9 @@ def _prepare(dictionaries, device):
             d_k = dictionaries.keys[i].float().to(device)
             d_v = dictionaries.values[i].float().to(device)
             mean = None if dictionaries.key_mean is None else dictionaries.key_mean[i].float().to(device)
+            if paired:
+                d_k = to_pairs(d_k).contiguous()
+                mean = None if mean is None else to_pairs(mean).contiguous()
             out.append((d_k, d_v, gram_matrix(d_k), gram_matrix(d_v), mean))
         cache[key] = out
     return cache[key]

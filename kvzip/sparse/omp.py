@@ -6,11 +6,12 @@ coder the Lexico baseline uses, and the reference the FAD-KV screening coder (sc
 Why this formulation: the residual vector is never formed. With c0 = D x (correlations of every atom with x) and
 the Gram matrix G = D Dᵀ, Gram-Schmidt can be run in the correlation domain: the k-th orthonormalised atom q_k has
 correlations u_k = D q_k with every atom, and u_k only needs G's row of the newly picked atom and the earlier u's.
-The entries u_m[j] of the earlier u's at the new atom j are exactly the new row of the Cholesky factor of G[I, I]
-(an incremental Cholesky update with no triangular solve per step), the projection of x on q_k is the current
-residual correlation divided by the new diagonal, and the residual correlations are updated by one axpy. The
-coefficients come from a single batched s x s triangular solve at the end. Per vector: one N x d matmul, then
-O(k N) work at step k. G is computed once per dictionary by the caller (`gram_matrix`), never per call.
+The entries u_m[j] of the earlier u's at the new atom j are exactly the new row of the Cholesky factor of G[I, I];
+the pursuit keeps that factor's inverse instead (q_k = Σ_i Linv[k, i] d_{I_i}, one new row per step from the
+earlier rows), so that the coefficients come out of one weighted sum at the end, with no triangular solve. The
+projection of x on q_k is the current residual correlation divided by the new diagonal, and the residual
+correlations are updated by one axpy. Per vector: one N x d matmul, then O(k N) work at step k. G is computed once
+per dictionary by the caller (`gram_matrix`), never per call.
 """
 from __future__ import annotations
 
@@ -48,32 +49,15 @@ def _check(x: torch.Tensor, D: torch.Tensor, s: int, gram: torch.Tensor | None) 
         assert gram.shape == (D.shape[0], D.shape[0]), f"gram must be (N, N), got {tuple(gram.shape)}"
 
 
-def pack_abs(c: torch.Tensor, out: torch.Tensor) -> int:
+def pack_abs(c: torch.Tensor, out: torch.Tensor, columns: torch.Tensor | None = None) -> int:
     """Write |c| (m, P) fp32 into the int32 `out` with its low log2(P) bits replaced by the column number; returns
     that bit mask. An int32 max over a row (or group) is then its largest |c| with the column in the low bits: for
-    x >= 0 the float's bit pattern orders like x, and only low mantissa bits are lost (near-ties may swap)."""
+    x >= 0 the float's bit pattern orders like x, and only low mantissa bits are lost (near-ties may swap).
+    `columns`: arange(P) as int32, for callers that pack many times."""
     low = (1 << max((c.shape[1] - 1).bit_length(), 1)) - 1
     torch.bitwise_and(c.contiguous().view(torch.int32), 0x7FFFFFFF & ~low, out=out)  # |c| with the low bits clear
-    out |= torch.arange(c.shape[1], dtype=torch.int32, device=c.device)
+    out |= torch.arange(c.shape[1], dtype=torch.int32, device=c.device) if columns is None else columns
     return low
-
-
-def solve_lower(L: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """x with L x = b (or Lᵀ x = b) for lower-triangular L (M, k, k) and b (M, k, P), by substitution.
-
-    For the k <= 8 systems of the pursuit this loop of k vector steps is ~1.7x faster on CPU than the batched
-    LAPACK solve (one tiny call per row). A zero diagonal would divide by zero; the pursuit never stores one.
-    """
-    k = L.shape[1]
-    rows: list[torch.Tensor | None] = [None] * k
-    order = range(k - 1, -1, -1) if transpose else range(k)
-    for i in order:
-        r = b[:, i]                                           # (M, P)
-        for j in (range(i + 1, k) if transpose else range(i)):
-            lij = L[:, j, i] if transpose else L[:, i, j]     # (M,)
-            r = r - lij.unsqueeze(1) * rows[j]
-        rows[i] = r / L[:, i, i].unsqueeze(1)
-    return torch.stack(rows, 1)                               # (M, k, P)
 
 
 def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch.Tensor | None = None,
@@ -85,44 +69,45 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
     Gram entries G[picked atom, pool] of its new atom, never a P x P sub-Gram. Returns idx (M, s) int64, positions
     in c0's columns (map through `pool` for atom numbers), and coef (M, s) fp32.
 
-    `start` = (U0 (M, k0, P), L0 (M, k0, k0), z0 (M, k0)) resumes a pursuit after k0 steps whose atoms are not in
+    `start` = (U0 (M, k0, P), Linv0 (M, k0, k0), z0 (M, k0)) resumes a pursuit after k0 steps whose atoms are not in
     the pool (c0 then holds the pool's residual correlations; U0 the earlier orthonormalised atoms' correlations
-    with the pool); the first k0 returned positions are then -1, for the caller to fill in; `return_state` adds (L, z) to the
-    result so that a caller can resume from it (screen.py's second shot). `work`: an optional (M, s, P) fp32
-    buffer for the orthonormalised atoms' correlations, reused across calls by `omp` (only written parts are read).
+    with the pool); the first k0 returned positions are then -1, for the caller to fill in; `return_state` adds
+    (Linv, z) to the result so that a caller can resume from it (screen.py's second shot). `work`: an optional
+    (M, s, P) fp32 buffer for the orthonormalised atoms' correlations, reused across calls by `omp` (only written
+    parts are read).
     """
     M, P = c0.shape
     N = G.shape[0]
     alpha = c0.clone()                                        # (M, P) residual correlations
     U = c0.new_empty(M, s, P) if work is None else work      # (M, s, P) correlations of orthonormalised atoms
-    Lw = c0.new_zeros(M, s, s)                                # (M, s, s) Cholesky factor of G[I, I], lower
+    Li = c0.new_zeros(M, s, s)                                # (M, s, s) inverse Cholesky factor of G[I, I], lower
     z = c0.new_zeros(M, s)                                    # (M, s) projections of x on the orthonormal basis
     idx = torch.empty(M, s, dtype=torch.long, device=c0.device)
     # atom selection by one integer max over pack_abs(alpha) per step: 3-5x faster on CPU than abs + mask + max
     packed = torch.empty(M, P, dtype=torch.int32, device=c0.device)
+    columns = torch.arange(P, dtype=torch.int32, device=c0.device)
     if pool is not None:
         gdiag = G.diagonal().index_select(0, pool.reshape(-1)).view(M, P)  # (M, P)
     else:
         gdiag = G.diagonal().expand(M, N)
     k0 = 0
     if start is not None:
-        U0, L0, z0 = start
-        k0 = L0.shape[1]
-        U[:, :k0], Lw[:, :k0, :k0], z[:, :k0] = U0, L0, z0
+        U0, Li0, z0 = start
+        k0 = Li0.shape[1]
+        U[:, :k0], Li[:, :k0, :k0], z[:, :k0] = U0, Li0, z0
         idx[:, :k0] = -1
     for k in range(k0, s):
-        low = pack_abs(alpha, packed)
+        low = pack_abs(alpha, packed, columns)
         if k > k0:
             packed.scatter_(1, idx[:, k0:k], 0)               # never an atom twice (0 loses to every live column)
         j1 = (packed.amax(dim=1, keepdim=True) & low).long()  # (M, 1)
         idx[:, k] = j1.squeeze(1)
-        w = U[:, :k].gather(2, j1.unsqueeze(1).expand(M, k, 1)).squeeze(2)  # (M, k) new Cholesky row: earlier q's vs j
+        w = U[:, :k].gather(2, j1.unsqueeze(1).expand(M, k, 1)).squeeze(2)  # (M, k) earlier q's vs the new atom j
         d2 = gdiag.gather(1, j1).squeeze(1) - (w * w).sum(1)  # (M,) squared distance of atom j to span(I)
-        ok = d2 > _DEPENDENT
-        diag = torch.where(ok, d2.clamp_min(_DEPENDENT).sqrt(), torch.ones_like(d2))
-        inv = ok / diag                                       # (M,) 1 / diag, 0 for a dependent atom
-        Lw[:, k, :k] = w * ok.unsqueeze(1)
-        Lw[:, k, k] = diag
+        inv = d2.clamp_min(_DEPENDENT).rsqrt() * (d2 > _DEPENDENT)  # (M,) 1 / that distance, 0 for a dependent atom
+        if k:  # q_k = inv (d_j - Σ_m w_m q_m): the new row of Linv from the earlier rows
+            Li[:, k, :k] = (w.unsqueeze(2) * Li[:, :k, :k]).sum(1) * -inv.unsqueeze(1)
+        Li[:, k, k] = inv
         z[:, k] = alpha.gather(1, j1).squeeze(1) * inv        # (M,) projection of the residual on the new q
         if k == s - 1:
             break  # the last atom's correlations would only serve a next step
@@ -138,9 +123,8 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
             u = gj - torch.bmm(w.unsqueeze(1), U[:, :k]).squeeze(1)
         u = torch.mul(u, inv.unsqueeze(1), out=U[:, k])      # (M, P), written in place into U
         alpha.addcmul_(u, z[:, k:k + 1], value=-1.0)         # residual correlations: alpha -= z_k u
-    # L Lᵀ coef = c0[I] and L z = c0[I]  =>  Lᵀ coef = z
-    coef = solve_lower(Lw, z.unsqueeze(2), transpose=True).squeeze(2)  # (M, s)
-    return (idx, coef, (Lw, z)) if return_state else (idx, coef)
+    coef = (Li * z.unsqueeze(2)).sum(1)                       # (M, s): x's projection Σ_k z_k q_k over the atoms I
+    return (idx, coef, (Li, z)) if return_state else (idx, coef)
 
 
 @torch.no_grad()

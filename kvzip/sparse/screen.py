@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kvzip.sparse.omp import (_check, default_chunk, gram_entries, gram_matrix, omp_from_correlations, pack_abs,
-                              reconstruct, solve_lower)
+                              reconstruct)
 
 SHOTS = (1, 2)
 PICKS = ("champions", "top")
@@ -80,13 +80,13 @@ def _second_shot(xc, Df, G, first, a, state, n, pick, work):
     """Screen the residual of the first k atoms for n fresh candidates and resume the pursuit there: returns the
     fresh pool (m, n), its residual correlations and the resumed state (U0, L0, z0). The first k atoms stay out
     of the pool: the resumed pursuit only needs their orthonormalised correlations with the fresh atoms (U0)."""
-    L, z = state                                              # (m, k, k), (m, k)
+    Li, z = state                                             # (m, k, k) inverse Cholesky factor, (m, k)
     corr, packed = work
     c1 = torch.mm(xc - reconstruct(Df, first, a), Df.T, out=corr)  # (m, N) correlations of the residual
     c1.scatter_(1, first, 0.0)                                # picked atoms are orthogonal to it
     fresh = pick_pool(c1, n, pick, packed)                   # (m, n)
     g = gram_entries(G, first, fresh)                         # (m, k, n) Gram entries picked x fresh
-    return fresh, c1.gather(1, fresh), (solve_lower(L, g), L, z)  # (m, n), (m, n), ((m, k, n), ...)
+    return fresh, c1.gather(1, fresh), (torch.bmm(Li, g), Li, z)  # (m, n), (m, n), ((m, k, n), ...)
 
 
 @torch.no_grad()
