@@ -121,7 +121,7 @@ def test_config_validation():
     with pytest.raises(UserError, match="must exceed"):
         BenchConfig(ppl_contexts=(100,), ppl_positions=256)
     capped = BenchConfig().capped(2048)
-    assert max(capped.ppl_contexts) == 2048 and max(capped.speed_contexts) == 2048 - 32 - 1
+    assert max(capped.ppl_contexts) == 2048 and max(capped.speed_contexts) == 2048 - BenchConfig().speed_new_tokens - 1
 
 
 def test_answer_parsing_and_agreement():
