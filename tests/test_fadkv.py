@@ -11,7 +11,6 @@ from kvzip.errors import UserError
 from kvzip.methods import get_method
 from kvzip.methods.fadkv import FadkvLayer, _prepare
 from kvzip.rope import from_pairs, rotate
-from kvzip.sparse.omp import reconstruct
 
 SMALL = {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2"}
 
@@ -46,7 +45,8 @@ def dense_keys_values(layer, row):
         idx, st, sc = layer.codes[kind]
         coef = st.float() if sc is None else st.float() * sc.float()
         h, t, s = idx.shape[1:]
-        vec = reconstruct(row_atoms(layer, kind, row), idx[row].long().reshape(-1, s), coef[row].reshape(-1, s))
+        atoms = row_atoms(layer, kind, row)[idx[row].long().reshape(-1, s)]  # (H*T, s, d), plain indexing
+        vec = (coef[row].reshape(-1, s, 1) * atoms).sum(1)
         rebuilt[kind] = vec.view(h, t, -1)
     coded_keys = rebuilt["k"] + layer.key_mean[:, None]
     if layer.inv_freq is not None:  # keys=pre-rope: the codes hold content keys in pair order; RoPE goes on after

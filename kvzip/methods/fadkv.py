@@ -201,7 +201,7 @@ class FadkvLayer(KVLayer):
         for c in range(0, w.shape[-1], SCORE_CHUNK):
             part = slice(c, c + SCORE_CHUNK)
             coef = coded.dequantize(v_st[:, :, part], None if v_sc is None else v_sc[:, :, part])  # (B, H, Tc, s)
-            out += w[..., part] @ coded.gather_sum(v_idx[:, :, part].int() + rows, coef, atoms)   # (B, H, G, d)
+            out += w[..., part] @ reconstruct(atoms, v_idx[:, :, part].int() + rows, coef)   # (B, H, G, d)
         return out
 
     def _prerope_scores(self, qg: torch.Tensor) -> torch.Tensor:
@@ -224,7 +224,7 @@ class FadkvLayer(KVLayer):
         for c in range(0, t, SCORE_CHUNK):
             part = slice(c, c + SCORE_CHUNK)
             coef = coded.dequantize(k_st[:, :, part], None if k_sc is None else k_sc[:, :, part])  # (B, H, Tc, s)
-            keys = coded.gather_sum(k_idx[:, :, part].int() + rows, coef, atoms)               # (B, H, Tc, d)
+            keys = reconstruct(atoms, k_idx[:, :, part].int() + rows, coef)               # (B, H, Tc, d)
             if mean is not None:
                 keys += mean
             turn_pairs(keys, turns[:, None, part])                                          # RoPE at each position

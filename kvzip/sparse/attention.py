@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kvzip.sparse.omp import reconstruct
+
 COEF_FORMATS = ("fp16", "int8", "fp8")
 
 
@@ -63,17 +65,6 @@ def row_offsets(rows: int, per_row: int, device) -> torch.Tensor:
     return (torch.arange(rows, dtype=torch.int32, device=device) * per_row).view(rows, 1, 1, 1)
 
 
-def gather_sum(idx: torch.Tensor, coef: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Σ_j coef[..., j] table[idx[..., j]] for idx (..., s) int16/int32/int64 and coef (..., s) float: (..., C).
-
-    One fused `embedding_bag` (int32 indices are accepted, so int16 codes need no int64 copy)."""
-    s = idx.shape[-1]
-    bags = idx.reshape(-1, s)
-    bags = bags if bags.dtype in (torch.int32, torch.int64) else bags.int()
-    out = torch.nn.functional.embedding_bag(bags, table, mode="sum", per_sample_weights=coef.reshape(-1, s))
-    return out.view(*idx.shape[:-1], table.shape[-1])
-
-
 def coded_scores(qd: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """Scores of grouped queries against coded keys.
 
@@ -83,7 +74,7 @@ def coded_scores(qd: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> tor
     b, h, g, n = qd.shape
     table = qd.transpose(-1, -2).reshape(b * h * n, g)  # (B*H*N, G): one block of N rows per (row, KV head)
     bags = idx.int() + row_offsets(b * h, n, qd.device).view(b, h, 1, 1)
-    return gather_sum(bags, coef, table).transpose(-1, -2)  # (B, H, G, T)
+    return reconstruct(table, bags, coef).transpose(-1, -2)  # (B, H, G, T)
 
 
 def atom_weights(w: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor, n_atoms: int) -> torch.Tensor:
