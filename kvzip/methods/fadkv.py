@@ -301,10 +301,13 @@ class FadkvLayer(KVLayer):
             return d_base, g_base
         ids, vecs = ov.ids[row][live], ov.vectors[row][live]
         n_tot = max(self.n_atoms, int(ids.max()) + 1)
-        atoms = torch.cat([d_base, d_base.new_zeros(n_tot - self.n_atoms, d_base.shape[1])])
+        if n_tot == self.n_atoms:  # adapt=fixed: replaced atoms only, so copies of the shared tensors are patched
+            atoms, gram = d_base.clone(), g_base.clone()
+        else:
+            atoms = torch.cat([d_base, d_base.new_zeros(n_tot - self.n_atoms, d_base.shape[1])])
+            gram = torch.zeros(n_tot, n_tot, device=g_base.device)
+            gram[: self.n_atoms, : self.n_atoms] = g_base
         atoms[ids] = vecs
-        gram = torch.zeros(n_tot, n_tot, device=g_base.device)
-        gram[: self.n_atoms, : self.n_atoms] = g_base
         rows = atoms[ids] @ atoms.T  # (R, Ntot)
         gram[ids] = rows
         gram[:, ids] = rows.T
