@@ -157,7 +157,8 @@ class FadkvLayer(KVLayer):
             return out.nan_to_num(0.0)  # a left-padding query sees nothing: keep its (never used) output finite
         h = self.kv_heads
         g = hq // h
-        qg = query.float().reshape(b, h, g * q, d)  # (B, H, g*q, d): query heads grouped under their KV head
+        # (B, H, g*q, d): query heads grouped under their KV head, scaled once here rather than every score
+        qg = query.float().reshape(b, h, g * q, d) * scaling
         dense_scores = qg @ self.keys.float().transpose(-1, -2)  # (B, H, gq, S)
         if self.inv_freq is not None:
             scores = torch.cat([self._prerope_scores(qg), dense_scores], -1)
@@ -169,15 +170,16 @@ class FadkvLayer(KVLayer):
                 k_scores = k_scores + qg @ self.key_mean[None, :, :, None].float()  # (B, H, gq, 1)
             scores = torch.cat([k_scores, dense_scores], -1)
             positions = torch.cat([self.coded_pos, self.dense_pos], 1)
-        scores = scores * scaling  # (B, H, gq, T+S)
         allowed = self._allowed(mask, positions, q, scores.shape[-1], query.device)
         if allowed is not None:
             allowed = allowed.expand(b, q, allowed.shape[-1]).view(b, 1, 1, q, -1).expand(b, h, g, q, allowed.shape[-1]).reshape(b, h, g * q, -1)
             scores = scores.masked_fill(~allowed, float("-inf"))
-        # A left-padding query sees nothing: its softmax is NaN. Its weights become 0, so its output (and the keys and
-        # values the next layer computes for that padding) stay finite: a NaN coded there would reach the whole
-        # row through the per-atom value sums (0 x NaN).
-        w = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        w = torch.softmax(scores, dim=-1)  # (B, H, gq, T+S)
+        if allowed is not None:
+            # A left-padding query sees nothing: its softmax is NaN. Its weights become 0, so its output (and the keys
+            # and values the next layer computes for that padding) stay finite: a NaN coded there would reach the
+            # whole row through the per-atom value sums (0 x NaN).
+            w = w.nan_to_num(0.0)
         out = w[..., t:] @ self.values.float()  # (B, H, gq, d)
         if q > 1:  # several query positions (a follow-up prompt) share each rebuilt value: rebuild chunk by chunk
             out = out + self._rebuilt_values(w[..., :t])
