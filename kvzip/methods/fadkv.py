@@ -3,10 +3,12 @@
 FAD-KV (Zhu et al., 2026) and its predecessor Lexico (Kim et al., ICML 2025; arXiv:2412.08890). Per layer and KV head:
 - the first `sinks` tokens and the most recent `buffer` tokens stay dense (sinks draw outsized attention, so a
   coding error there costs the most; the buffer absorbs tokens until a chunk of `chunk` can be coded at once);
-- older tokens are coded, post-RoPE, as `s` atom indices (int16) and coefficients (fp16, or 8 bits with a scale) over
-  the layer's key or value dictionary. The per-head key mean (stored in the dictionary file) is removed before coding
-  and added back as one q·mean term, so scores are those of the reconstructed keys;
-- attention over coded tokens never rebuilds them (kvzip/sparse/attention.py).
+- older tokens are coded as `s` atom indices (int16) and coefficients (fp16, or 8 bits with a scale) over the layer's
+  key or value dictionary. The per-head key mean (stored in the dictionary file) is removed before coding. Keys are
+  coded as the dictionary was trained: before RoPE (the default file; RoPE undone at coding time) or after it;
+- decoding never keeps a dense copy of the past. Post-RoPE scores gather q·D by code and add one q·mean term;
+  pre-RoPE scores rebuild one chunk of keys at a time (mean added back, RoPE applied, chunk dropped). Values are
+  summed per atom and multiplied by the value dictionary once (kvzip/sparse/attention.py).
 FAD-KV's coder is screening (top-n candidates by |Dᵀx|, pursuit on the pool); Lexico's is OMP over all atoms.
 
 Fixed-size adaptation (FAD-KV): per sequence, a reference count per atom over live codes. When a coded vector's
