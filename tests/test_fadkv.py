@@ -245,12 +245,12 @@ def test_prerope_dictionary_through_generate_matches_dense_rebuild(tiny, tokeniz
         get_method("fadkv", {**SMALL, "keys": "post-rope"}).make_cache(tiny, prerope)
 
 
-@pytest.mark.parametrize("name", ["fadkv", "lexico"])
-def test_left_padded_row_decodes_like_the_row_alone(tiny, tokenizer, tiny_dictionaries, name):
-    """A left-padded batch row: the padding's zero keys code to all-zero coefficients (their fp8 scale must not
+@pytest.mark.parametrize("name, coef", [("fadkv", "int8"), ("fadkv", "fp8"), ("lexico", "int8")])
+def test_left_padded_row_decodes_like_the_row_alone(tiny, tokenizer, tiny_dictionaries, name, coef):
+    """A left-padded batch row: the padding's zero keys code to all-zero coefficients (their 8-bit scale must not
     underflow to 0, or 0/0 is NaN) and its fully masked queries get zero weights; either NaN used to reach the whole
     row through the per-atom value sums, and the row decoded token 0 forever."""
-    opts = {**SMALL, "coder": "omp"} if name == "lexico" else SMALL
+    opts = {**SMALL, "coef": coef, **({"coder": "omp"} if name == "lexico" else {})}
     prompts = [tokenizer("a short one")["input_ids"], tokenizer("a somewhat longer prompt for the second row")["input_ids"]]
     settings = engine.Settings(max_new_tokens=12, ignore_eos=True)
 
