@@ -92,6 +92,27 @@ def test_prerope_attention_equals_dense_reference(tiny_dictionaries, adapt, monk
     torch.testing.assert_close(got, (w @ values).transpose(0, 1)[None], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("keys", ["post-rope", "pre-rope"])
+def test_multi_token_query_over_codes_equals_dense_reference(tiny_dictionaries, keys):
+    """A follow-up prompt (several new tokens at once) over a coded past: scores and rebuilt values equal dense
+    attention with the new tokens causal among themselves."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)) if keys == "pre-rope" else None
+    _, layer = make_layer(tiny_dictionaries, adapt="fixed", tau="0.2", keys=keys, inv_freq=inv_freq)
+    feed(layer, 60)
+    g = torch.Generator().manual_seed(3)
+    layer.update(torch.randn(1, 2, 3, 16, generator=g), torch.randn(1, 2, 3, 16, generator=g))
+    query = torch.randn(1, 4, 3, 16, generator=g)
+    got = layer._attention(query, None, 0.25)  # (1, 3, 4, 16)
+    keys_d, values_d = dense_keys_values(layer, 0)
+    keys_d, values_d = keys_d.repeat_interleave(2, 0), values_d.repeat_interleave(2, 0)
+    scores = query[0] @ keys_d.transpose(-1, -2) * 0.25  # (4, 3, S)
+    n = scores.shape[-1]
+    allowed = torch.ones(3, n, dtype=torch.bool)
+    allowed[:, n - 3:] = torch.ones(3, 3, dtype=torch.bool).tril()
+    w = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+    torch.testing.assert_close(got, (w @ values_d).transpose(0, 1)[None], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("adapt", ["none", "fixed"])
 def test_rebuilt_values_equal_per_atom_sums(tiny_dictionaries, adapt, monkeypatch):
     """Many query rows (a follow-up prompt) rebuild coded values chunk by chunk; decoding sums weights per atom. The two
