@@ -12,6 +12,7 @@ dictionary (per-head mean removed) and a value dictionary are learned exactly as
 cache's screening coder (two shots, champion pools of 16 then 32), with two shots on exact top-n pools, and
 with plain one-shot top-16 screening.
 Timing: --timing-vectors held-out vectors per layer, each coder best of 3, one thread (set OMP_NUM_THREADS=1).
+`--device cuda` learns, codes and times on the GPU (capture stays on the CPU; timings synchronise the device).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/measure_coders.py --out /tmp/coders.md
 """
@@ -27,10 +28,17 @@ import torch
 def best_of(fn, repeats: int = 3):
     best, out = float("inf"), None
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         out = fn()
+        sync()
         best = min(best, time.perf_counter() - t)
     return out, best
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -44,6 +52,7 @@ def main() -> None:
     ap.add_argument("--keys", default="post-rope", choices=("post-rope", "pre-rope"))
     ap.add_argument("--timing-vectors", type=int, default=10000)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cpu", help="where dictionaries are learned and coders run (cpu or cuda)")
     args = ap.parse_args()
     torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))
 
@@ -71,7 +80,7 @@ def main() -> None:
             errs, learn_s = {"omp": [], "screen": []}, 0.0
             for layer in layers:
                 X, H = (train.keys[layer], held.keys[layer]) if kind == "keys" else (train.values[layer], held.values[layer])
-                X, H = X.float(), H.float()
+                X, H = X.float().to(args.device), H.float().to(args.device)
                 raw = H
                 if kind == "keys":
                     mean = X.view(-1, heads, d).mean(0)                                 # (Hkv, d)
