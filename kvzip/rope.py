@@ -34,8 +34,7 @@ def turn_pairs(x: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
 def phasors(pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """exp(i · pos · inv_freq) (..., d/2) complex64: the RoPE turn at positions pos (...), for vectors in `to_pairs`
     order (the conjugate turns back)."""
-    ang = pos.float()[..., None] * inv_freq.float()
-    return torch.polar(torch.ones_like(ang), ang)
+    return torch.complex(*angles(pos, inv_freq))
 
 
 def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -192,47 +192,43 @@ class FadkvLayer(KVLayer):
             out = out + self._values_from_atoms("v", w_atoms)
         return out.view(b, h, g, q, d).reshape(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous()
 
-    def _rebuilt_values(self, w: torch.Tensor) -> torch.Tensor:
-        """w (B, H, G, T) weights of the coded tokens -> Σ_t w_t v_t (B, H, G, d), each chunk of coded values rebuilt
-        (`embedding_bag`) and dropped before the next. For many query rows this is far cheaper than per-atom sums,
-        whose cost grows with the rows (G·T·s scatter-adds against T·s·d multiply-adds here)."""
-        v_idx, v_st, v_sc = self.codes["v"]
-        atoms = self._atom_table("v")  # (B, Ntot + 1, d)
+    def _rebuilt_chunks(self, kind: str):
+        """Yield (slice, vectors (B, H, Tc, d)) for each chunk of SCORE_CHUNK coded tokens, rebuilt from their codes
+        with one fused gather-and-weighted-sum (`embedding_bag`, every row and KV head in one call). The caller uses
+        a chunk and drops it before the next, so no dense copy of the past is ever kept."""
+        idx, stored, scale = self.codes[kind]
+        atoms = self._atom_table(kind)  # (B, Ntot + 1, d)
         b, n, d = atoms.shape
-        atoms = atoms.reshape(b * n, d)
-        rows = coded.row_offsets(b, n, w.device)
-        out = w.new_zeros(*w.shape[:3], d)
-        for c in range(0, w.shape[-1], SCORE_CHUNK):
+        atoms = atoms.reshape(b * n, d)  # each row's atoms in its own block of n
+        rows = coded.row_offsets(b, n, atoms.device)
+        for c in range(0, idx.shape[2], SCORE_CHUNK):
             part = slice(c, c + SCORE_CHUNK)
-            coef = coded.dequantize(v_st[:, :, part], None if v_sc is None else v_sc[:, :, part])  # (B, H, Tc, s)
-            out += w[..., part] @ reconstruct(atoms, v_idx[:, :, part].int() + rows, coef)   # (B, H, G, d)
+            coef = coded.dequantize(stored[:, :, part], None if scale is None else scale[:, :, part])  # (B, H, Tc, s)
+            yield part, reconstruct(atoms, idx[:, :, part].int() + rows, coef)
+
+    def _rebuilt_values(self, w: torch.Tensor) -> torch.Tensor:
+        """w (B, H, G, T) weights of the coded tokens -> Σ_t w_t v_t (B, H, G, d), chunk by chunk. For many query rows
+        this is far cheaper than per-atom sums, whose cost grows with the rows (G·T·s scatter-adds against T·s·d
+        multiply-adds here)."""
+        out = w.new_zeros(*w.shape[:3], self.values.shape[-1])
+        for part, values in self._rebuilt_chunks("v"):
+            out += w[..., part] @ values  # (B, H, G, d)
         return out
 
     def _prerope_scores(self, qg: torch.Tensor) -> torch.Tensor:
-        """qg (B, H, G, d) against keys coded before RoPE -> (B, H, G, T): each chunk of codes is rebuilt (one fused
-        gather-and-weighted-sum of s atoms per key, `embedding_bag`, every row and KV head in one call), the key mean
-        added back and RoPE applied at the token's position, then dotted with the query. A chunk's rebuilt keys are
-        dropped before the next one: O(T·s·d) work, and no dense copy of the past is ever kept.
+        """qg (B, H, G, d) against keys coded before RoPE -> (B, H, G, T): each rebuilt chunk of keys gets the key mean
+        added back and RoPE applied at the token's position, then is dotted with the query: O(T·s·d) work.
         Atoms and key mean are stored in `to_pairs` order (and the query taken in it: a dot product does not care),
         so RoPE is one in-place complex product per chunk."""
-        k_idx, k_st, k_sc = self.codes["k"]
-        atoms = self._atom_table("k")  # (B, Ntot + 1, d), in pair order like the codes
-        b, n, d = atoms.shape
-        atoms = atoms.reshape(b * n, d)  # each row's atoms in its own block of n
-        rows = coded.row_offsets(b, n, qg.device)
         mean = None if self.key_mean is None else self.key_mean[None, :, None, :]  # (1, H, 1, d)
         qp = to_pairs(qg)
         turns = self._rope_table()  # (B, T, d/2) complex
-        t = k_idx.shape[2]
-        out = qg.new_empty(*qg.shape[:3], t)
-        for c in range(0, t, SCORE_CHUNK):
-            part = slice(c, c + SCORE_CHUNK)
-            coef = coded.dequantize(k_st[:, :, part], None if k_sc is None else k_sc[:, :, part])  # (B, H, Tc, s)
-            keys = reconstruct(atoms, k_idx[:, :, part].int() + rows, coef)               # (B, H, Tc, d)
+        out = qg.new_empty(*qg.shape[:3], self.coded_pos.shape[1])
+        for part, keys in self._rebuilt_chunks("k"):  # keys (B, H, Tc, d), in pair order like the atoms
             if mean is not None:
                 keys += mean
-            turn_pairs(keys, turns[:, None, part])                                          # RoPE at each position
-            out[..., part] = qp @ keys.transpose(-1, -2)                                   # (B, H, G, Tc)
+            turn_pairs(keys, turns[:, None, part])  # RoPE at each position
+            out[..., part] = qp @ keys.transpose(-1, -2)  # (B, H, G, Tc)
         return out
 
     def _rope_table(self) -> torch.Tensor:
