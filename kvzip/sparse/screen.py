@@ -78,7 +78,7 @@ def _pool_omp(c0: torch.Tensor, G: torch.Tensor, pool: torch.Tensor, k: int, **k
 
 def _second_shot(xc, Df, G, first, a, state, n, pick, work):
     """Screen the residual of the first k atoms for n fresh candidates and resume the pursuit there: returns the
-    fresh pool (m, n), its residual correlations and the resumed state (U0, L0, z0). The first k atoms stay out
+    fresh pool (m, n), its residual correlations and the resumed state (U0, Linv0, z0). The first k atoms stay out
     of the pool: the resumed pursuit only needs their orthonormalised correlations with the fresh atoms (U0)."""
     Li, z = state                                             # (m, k, k) inverse Cholesky factor, (m, k)
     corr, packed = work
