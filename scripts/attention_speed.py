@@ -40,9 +40,17 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     from kvzip import dictfiles
+    from kvzip.cli.options import parse_opts
+    from kvzip.errors import UserError
     from kvzip.methods import get_method
     from kvzip.methods.fadkv import FadkvLayer, _prepare
     from kvzip.sparse.dictionary import KVDictionary
+
+    try:  # a bad --opt is one line, like the CLI's
+        opts = parse_opts(args.opt)
+        get_method("fadkv", opts)
+    except UserError as e:
+        ap.error(str(e))
 
     gen = torch.Generator().manual_seed(0)
     heads, q_heads, d, t = 3, 9, 64, args.tokens
@@ -55,7 +63,7 @@ def main() -> None:
     for label, stem, mode in (("pre-RoPE keys (default)", "smollm2-135m-prerope", "pre-rope"),
                               ("post-RoPE keys", "smollm2-135m", "post-rope")):
         dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
-        method = get_method("fadkv", {"keys": mode, **dict(o.split("=") for o in args.opt)})
+        method = get_method("fadkv", {"keys": mode, **opts})
         paired = mode == "pre-rope"
         layer = FadkvLayer(method, *_prepare(dictionaries, "cpu", paired=paired)[args.layer],
                            inv_freq=inv_freq if paired else None)
