@@ -6,7 +6,7 @@
 #   3. `kvzip generate --device cuda` on the default model with fadkv and zoomr (CLI path, JSON kept);
 #   4. `kvzip bench --quick --device cuda` (every method on the real model; JSON, table and plot);
 #   4b. `scripts/measure_coders.py --device cuda` at the shipped (N, s): screening vs OMP time and error on the GPU
-#      (the issues' 5x target; on the 2-core CPU it is 3.3-4.2x);
+#      (the issues' 5x target; on the 2-core CPU it measured 1.6-4.2x, moving with the machine);
 #   5. only when KVZIP_BENCH_LIMIT is set (seconds): the full-size `kvzip bench --device cuda`, stopped with SIGINT
 #      after that many seconds; the bench keeps every record finished before the interrupt. Off by default, so that
 #      steps 1-4 stay within the issue's five-minute budget (the H200 run of 2026-11-30: quick bench 252 s).
