@@ -18,7 +18,7 @@ from kvzip.bench.workloads import agreement, parse_answer
 from kvzip.errors import UserError
 from kvzip.methods import METHODS
 from kvzip.models import ModelSource
-from tests.test_engine import TINY_OPTS
+from tests.matrix import tiny_options
 
 TINY = BenchConfig(workloads=("ppl", "reasoning", "speed"), ppl_contexts=(40, 64), ppl_positions=12,
                    reasoning_prompts=1, reasoning_new_tokens=6, speed_contexts=(32,), speed_new_tokens=4, repeats=2)
@@ -28,7 +28,7 @@ TINY = BenchConfig(workloads=("ppl", "reasoning", "speed"), ppl_contexts=(40, 64
 def tiny_run(tiny, tokenizer, tiny_dictionaries, tmp_path_factory):
     path = tmp_path_factory.mktemp("dict") / "tiny.safetensors"
     tiny_dictionaries.save(path)
-    settings = [Setting("full", "full")] + [Setting(n, n, TINY_OPTS.get(n, {})) for n in METHODS if n != "full"]
+    settings = [Setting("full", "full")] + [Setting(n, n, tiny_options(n)) for n in METHODS if n != "full"]
     settings.append(Setting("window:window=4", "window", {"sinks": "1", "window": "4"}))
     seen = []
     data = run_bench(tiny, tokenizer, ModelSource("tiny", "", False), settings, TINY, dict_path=path,
@@ -178,7 +178,7 @@ def test_ctrl_c_keeps_the_records_finished_before_it(tiny, tokenizer, monkeypatc
         raise KeyboardInterrupt
 
     monkeypatch.setitem(workloads.RUNNERS, "speed", interrupted)
-    settings = [Setting("full", "full"), Setting("window", "window", TINY_OPTS["window"])]
+    settings = [Setting("full", "full"), Setting("window", "window", tiny_options("window"))]
     cfg = BenchConfig(workloads=("ppl", "speed"), ppl_contexts=(40,), ppl_positions=12, speed_contexts=(32,),
                       speed_new_tokens=4, repeats=1)
     data = run_bench(tiny, tokenizer, ModelSource("tiny", "", False), settings, cfg)

@@ -8,18 +8,7 @@ import torch
 from kvzip import engine
 from kvzip.errors import UserError
 from kvzip.methods import METHODS, get_method
-
-# Small settings so that every method compresses within a few dozen tokens of the tiny model.
-TINY_OPTS = {
-    "window": {"sinks": "2", "window": "8"},
-    "zoomr": {"window": "8", "r": "2", "min_thought": "4", "max_thought": "8"},
-    "sumr": {"window": "8", "r": "2", "min_thought": "4", "max_thought": "8"},
-    "h2o": {"heavy": "4", "window": "8"},
-    "fadkv": {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2", "tau": "0.3"},
-    "lexico": {"sparsity": "4", "buffer": "8", "chunk": "4", "sinks": "2"},
-    "hf-int4": {"q_group_size": "16", "residual_length": "8"},
-    "hf-int2": {"q_group_size": "16", "residual_length": "8"},
-}
+from tests.matrix import tiny_options
 
 
 def run(model, tok, prompts, method, settings, dictionaries=None):
@@ -35,7 +24,7 @@ def prompt(tok, text):
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_method_prefills_decodes_and_reports_memory(tiny, tokenizer, request, name):
-    method = get_method(name, TINY_OPTS.get(name, {}))
+    method = get_method(name, tiny_options(name))
     dicts = request.getfixturevalue("tiny_dictionaries") if method.needs_dictionary else None
     results, events, cache = run(tiny, tokenizer, [prompt(tokenizer, "hello there, tiny model " * 3)], method,
                                  engine.Settings(max_new_tokens=24, ignore_eos=True), dicts)
@@ -59,7 +48,7 @@ def test_full_is_token_identical_to_transformers_greedy(tiny, tokenizer):
 
 @pytest.mark.parametrize("name", ["full", "window"])
 def test_left_padded_batch_equals_one_by_one(tiny, tokenizer, name):
-    method = get_method(name, TINY_OPTS.get(name, {}))
+    method = get_method(name, tiny_options(name))
     prompts = [prompt(tokenizer, "a"), prompt(tokenizer, "a much longer prompt here"), prompt(tokenizer, "mid size")]
     settings = engine.Settings(max_new_tokens=12, ignore_eos=True)
     batched, _, _ = run(tiny, tokenizer, prompts, method, settings)
@@ -129,7 +118,7 @@ def test_every_method_runs_on_cuda_in_bf16(tokenizer, request, name):
     from tests.conftest import tiny_llama
 
     model = tiny_llama().to("cuda", torch.bfloat16)
-    method = get_method(name, TINY_OPTS.get(name, {}))
+    method = get_method(name, tiny_options(name))
     dicts = _to_cuda(request.getfixturevalue("tiny_dictionaries")) if method.needs_dictionary else None
     prompts = [prompt(tokenizer, "hello there, tiny model " * 3), prompt(tokenizer, "short one")]
     results, _, cache = run(model, tokenizer, prompts, method, engine.Settings(max_new_tokens=24, ignore_eos=True), dicts)

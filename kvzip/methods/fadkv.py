@@ -417,6 +417,7 @@ class Fadkv(Method):
     name = "fadkv"
     summary = "FAD-KV: dictionary-coded K/V (screening coder, fixed-size adaptive dictionary), attention on codes"
     needs_dictionary = True
+    test_options = {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2", "tau": "0.3"}
     sparsity: int = 8
     sparsity_v: int = 0  # atoms per value vector; 0: the same as `sparsity` (keys)
     coef: str = "int8"  # same agreement as fp8 at 4k (0.953 both), and its CPU decode is a plain cast
@@ -475,6 +476,7 @@ class Lexico(Fadkv):
 
     name = "lexico"
     summary = "Lexico: dictionary-coded K/V with OMP and a static dictionary (the FAD-KV baseline)"
+    test_options = {"sparsity": "4", "buffer": "8", "chunk": "4", "sinks": "2"}
     coder: str = "omp"
     adapt: str = "none"
     preferred_keys: typing.ClassVar[str] = "post-rope"  # as Lexico codes them (q·D shared by every token)

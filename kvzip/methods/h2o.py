@@ -74,6 +74,7 @@ class H2O(Method):
 
     name = "h2o"
     summary = "H2O: heavy-hitter tokens by accumulated attention + a recent window, the rest evicted"
+    test_options = {"heavy": "4", "window": "8"}
     heavy: int = 256
     window: int = 256
 

@@ -85,6 +85,7 @@ class HfFp8(Method):
 class _Quanto(Method):
     q_group_size: int = 64
     residual_length: int = 128
+    test_options = {"q_group_size": "16", "residual_length": "8"}
 
     bits = 4
 

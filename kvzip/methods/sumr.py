@@ -20,6 +20,7 @@ class SumR(ThoughtOptions):
 
     name = "sumr"
     summary = "summaries of past thoughts + prompt + recent window, never zooms in (ZoomR baseline)"
+    test_options = {"window": "8", "r": "2", "min_thought": "4", "max_thought": "8"}
     k: typing.ClassVar[int] = 0
     c: typing.ClassVar[int] = 0
     select: typing.ClassVar[str] = "thought"

@@ -77,6 +77,7 @@ class Window(Method):
 
     name = "window"
     summary = "StreamingLLM: attention-sink tokens + a window of recent tokens, the rest evicted"
+    test_options = {"sinks": "2", "window": "8"}
     sinks: int = 4
     window: int = 508
 

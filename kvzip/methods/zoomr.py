@@ -474,6 +474,7 @@ class ZoomR(ThoughtOptions):
 
     name = "zoomr"
     summary = "thoughts indexed by summaries; zoom-in to the most-voted thoughts' full KV; detail off the device"
+    test_options = {"window": "8", "r": "2", "min_thought": "4", "max_thought": "8"}
     pick: str = "novel"
     r: int = 8
     k: int = 2
