@@ -1,7 +1,9 @@
 """Find and load the dictionaries a method needs, checked against the model they will serve.
 
-Shipped dictionaries live in the top-level `dictionaries/` folder as `<model-name>.safetensors`; `$KVZIP_DICTIONARIES`
-points elsewhere, `--dict PATH` names one file.
+Shipped dictionaries live in the top-level `dictionaries/` folder as `<model-name>.safetensors`. The package reaches
+them as `kvzip/_dictionaries`, a link to that folder in a checkout and a real folder inside an installed wheel (the
+wheel is built through the link), so the same lookup works in both. `$KVZIP_DICTIONARIES` points elsewhere; an
+explicit path names one file.
 """
 
 from __future__ import annotations
@@ -13,8 +15,18 @@ from kvzip.errors import UserError
 
 
 def dictionary_dir() -> Path:
+    """Where default dictionaries are looked up (and `train-dict` writes by default)."""
     env = os.environ.get("KVZIP_DICTIONARIES")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "dictionaries"
+    return Path(env) if env else (Path(__file__).parent / "_dictionaries").resolve()
+
+
+def check_dictionary_file(path: Path) -> Path:
+    """`path` when it is a file; UserError for a missing path or a directory (before any model work)."""
+    if path.is_dir():
+        raise UserError(f"{path} is a directory, not a dictionary file: give a .safetensors file made by train-dict")
+    if not path.is_file():
+        raise UserError(f"dictionary file {path} does not exist")
+    return path
 
 
 def default_dictionary_path(source, keys: str = "post-rope") -> Path:
@@ -42,7 +54,9 @@ def dictionaries_for(method, model, source, path: Path | None = None):
     from kvzip.models import model_fingerprint
     from kvzip.sparse.dictionary import DictionaryError, KVDictionary
 
-    path = Path(path) if path is not None else default_dictionary_path(source, _wanted_keys(method, source))
+    if path is not None:
+        path = check_dictionary_file(Path(path))
+    path = path or default_dictionary_path(source, _wanted_keys(method, source))
     if not path.is_file():
         raise UserError(
             f"method '{method.name}' needs a dictionary and {path} does not exist: train one with "

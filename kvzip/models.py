@@ -39,6 +39,10 @@ ALIASES = {
 }
 
 
+# A Hugging Face folder holds its tokenizer in at least one of these (fast tokenizers, SentencePiece, BPE vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt", "spiece.model")
+
+
 @dataclass
 class ModelSource:
     """Where a model's weights come from: a HF folder/hub id, or a GGUF file."""
@@ -132,6 +136,9 @@ def resolve_model(spec: str) -> ModelSource:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path} is a folder without config.json: not a Hugging Face model folder")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise UserError(f"{path} has a config.json but no tokenizer ({', '.join(TOKENIZER_FILES)}): "
+                            "copy the model's tokenizer files into it")
         return ModelSource(path.name, str(path), False)
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         return ModelSource(spec.replace("/", "--"), spec, False)

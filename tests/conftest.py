@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-os.environ["KVZIP_WARM"] = "0"  # no background warm process from a test's `kvzip` command (tests/integration/test_warm* opt in)
 
 import kvzip.attention  # noqa: F401  registers the "kvzip" attention implementation
 

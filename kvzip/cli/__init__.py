@@ -1,58 +1,69 @@
-"""The `kvzip` command: a Typer app with one module per command.
+"""The `kvzip` command: a Typer app with one module per command; `main` is the console script's entry point.
 
-Errors a user can cause surface as `UserError` (or a ValueError from the tensor libraries about a user file) and
-become one line on stderr with exit code 2; everything else is a bug and keeps its traceback.
+Errors a user can cause, a `UserError` from kvzip or a usage error from click (unknown option, bad value), become
+one line `kvzip: error: ...` on stderr with exit code 2; everything else is a bug and keeps its traceback. The
+command runs in this process and leaves nothing behind when it exits.
+
+Start-up stays short because nothing heavy is imported here: torch, transformers and the method registry are imported
+inside the commands, after their flags and paths have been checked. Help is click's plain formatter, which wraps
+to the terminal's width and never crops an option's help text.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
 
+from kvzip.cli import bench as _bench
+from kvzip.cli import chat as _chat
 from kvzip.cli import generate as _generate
+from kvzip.cli import train_dict as _train_dict
 from kvzip.errors import UserError
 
+HELP = "kvzip: run LLM reasoning with a compressed KV cache (FAD-KV dictionaries, ZoomR thought retrieval)."
+
 app = typer.Typer(
-    help="kvzip: run LLM reasoning with a compressed KV cache (FAD-KV dictionaries, ZoomR thought retrieval).",
-    no_args_is_help=True,
+    help=HELP,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"max_content_width": 120},
 )
 app.command("generate")(_generate.generate)
+app.command("train-dict")(_train_dict.train_dict)
+app.command("chat")(_chat.chat)
+app.command("bench")(_bench.bench)
 
 
-@app.callback()
-def _root() -> None:
-    """kvzip: run LLM reasoning with a compressed KV cache (FAD-KV dictionaries, ZoomR thought retrieval)."""
-    from kvzip.warm import library_env_defaults
+def library_env_defaults() -> None:
+    """Quiet transformers' own progress bars and advisories, which would interleave with kvzip's display. Set before
+    transformers is first imported (it reads some of them at import); a value the user set is kept."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
 
+
+def _fail(message: str, code: int = 2) -> None:
+    print(f"kvzip: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Run `kvzip` with `args` (default: sys.argv[1:]) and exit with its code."""
+    args = sys.argv[1:] if args is None else list(args)
     library_env_defaults()
-
-
-def _register_optional() -> None:
-    """Commands that live in their own modules; each registers itself if present."""
-    import importlib
-
-    for module, name in (("train_dict", "train-dict"), ("chat", "chat"), ("bench", "bench")):
-        try:
-            mod = importlib.import_module(f"kvzip.cli.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"kvzip.cli.{module}":
-                raise
-            continue
-        app.command(name)(getattr(mod, module))
-
-
-_register_optional()
-
-
-def main() -> None:
     try:
-        app()
+        code = app(args=args or ["--help"], prog_name="kvzip", standalone_mode=False)
+    except typer.TyperException as exc:  # click's usage errors (unknown option or command, bad value) and kin
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        _fail(" ".join(exc.format_message().split()) + hint, exc.exit_code)
     except UserError as exc:
-        print(f"kvzip: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
+        _fail(" ".join(str(exc).split()))
+    except (typer.Abort, KeyboardInterrupt):  # Abort: end of input at a prompt
         print("kvzip: interrupted", file=sys.stderr)
-        sys.exit(130)
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)

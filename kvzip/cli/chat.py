@@ -17,8 +17,10 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import DictPath, Device, Dtype, MethodName, Model, Opts, TrustRemoteCode, parse_opts
+from kvzip.cli.options import (DictPath, Device, Dtype, MethodName, Model, Opts, Seed, TrustRemoteCode, check_sampling,
+                               dict_file, parse_opts)
 from kvzip.errors import UserError
+from kvzip.files import check_writable, write_atomic
 
 HELP = """commands:
   /help                        this list
@@ -136,9 +138,7 @@ def _command(session, line: str, dictionaries_for: Callable, model_name: str) ->
     elif name == "/save":
         if len(args) != 1:
             raise UserError("usage: /save FILE")
-        from kvzip.cli.generate import write_atomic
-
-        path = Path(args[0])
+        path = check_writable(Path(args[0]))
         try:
             write_atomic(path, json.dumps({"model": model_name, **session.transcript()}, indent=2) + "\n")
         except OSError as exc:
@@ -187,7 +187,7 @@ def chat(
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens; 0 is off.")] = 0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
+    seed: Seed = None,
     compact: Annotated[bool, typer.Option(help="One-line live panel, for narrow terminals.")] = False,
     on_full: Annotated[str, typer.Option(help="When the context fills: stop (refuse further turns) or evict "
                                               "(drop the oldest exchanges and re-prefill the rest).")] = "stop",
@@ -196,6 +196,8 @@ def chat(
     trust_remote_code: TrustRemoteCode = False,
 ):
     """Chat with a compressed KV cache: multi-turn, streamed, with a live memory and speed panel."""
+    check_sampling(max_new_tokens, temperature, top_p, top_k)
+    dict_path = dict_file(dict_path)  # for every dictionary method of the session (at start or after /method)
     from kvzip import engine
     from kvzip.chat import ON_FULL, ChatSession
     from kvzip.dictfiles import dictionaries_for

@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import Device, Dtype, Model, TrustRemoteCode
+from kvzip.cli.options import Device, Dtype, Model, TrustRemoteCode, output_path
 from kvzip.errors import UserError
 
 KEY_MODES = ("post-rope", "pre-rope")
@@ -42,6 +42,21 @@ def _check(tokens: int, atoms: int, sparsity: int, iters: int, keys: str, coder:
         raise UserError(f"--sparsity {sparsity} cannot exceed --atoms {atoms}")
     if samples < atoms:
         raise UserError(f"--samples {samples} must be at least --atoms {atoms} (each atom starts as a sample)")
+
+
+def _out_path(out: Path | None, model: str, keys: str) -> Path:
+    """The output file, checked before the model loads: `--out`, else the default file for the model and key mode."""
+    if out is not None:
+        return output_path(out, "--out")
+    from kvzip.dictfiles import default_dictionary_path
+    from kvzip.files import check_writable
+    from kvzip.models import resolve_model
+
+    out = default_dictionary_path(resolve_model(model), keys)
+    try:
+        return check_writable(out)
+    except UserError as exc:
+        raise UserError(f"default output: {exc}; pass --out FILE") from None
 
 
 def _error_table(trained, key_mode: str):
@@ -78,6 +93,7 @@ def train_dict(
 ):
     """Learn per-layer key and value dictionaries for a model and save them (safetensors, atomic)."""
     _check(tokens, atoms, sparsity, iters, keys, coder, samples, holdout)
+    out = _out_path(out, model, keys)
     command = " ".join(["kvzip", "train-dict", *sys.argv[sys.argv.index("train-dict") + 1:]]) \
         if "train-dict" in sys.argv else "kvzip train-dict (called from Python)"
     try:
@@ -95,7 +111,6 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
     from importlib.metadata import version
 
     from kvzip import capture, data
-    from kvzip.dictfiles import default_dictionary_path
     from kvzip.models import load_model, model_fingerprint
     from kvzip.sparse.dictionary import KVDictionary, make_meta
     from kvzip.sparse.train import heldout_coder, train_dictionaries
@@ -113,8 +128,6 @@ def _run(model, text, tokens, atoms, sparsity, iters, keys, coder, samples, hold
         raw = data.read_text_files(text)  # UserError for missing or empty files, before the model loads
     with display.console.status(f"loading {model}"):
         lm, tokenizer, source = load_model(model, device, dtype, trust_remote_code)
-    if out is None:
-        out = default_dictionary_path(source, keys)
     with display.progress() as bar:
         if text:
             documents = capture.text_documents(tokenizer, raw, tokens)
