@@ -1,0 +1,154 @@
+"""Check the package's import structure without importing anything: no module outside `cli/` imports the CLI, and
+no import cycle among the package's modules.
+
+    python scripts/check_structure.py            # the kvzip/ package beside this script
+    python scripts/check_structure.py path/pkg   # any package folder (the tests use a crafted bad one)
+
+Every `.py` file is parsed with `ast`. An import names a module of the package when it is `import pkg.x`,
+`from pkg.x import y` (`pkg.x.y` when y is itself a module, else `pkg.x`) or the relative forms of these.
+
+- The CLI rule counts every import, wherever it sits: a library module that imports `pkg.cli` even inside a function
+  still depends on the command line.
+- The cycle rule counts module-level imports only (class bodies and module-level `if`/`try` included, `if
+  TYPE_CHECKING:` blocks excluded): those run while a module is being initialised, where a cycle means a
+  half-initialised module. An import inside a function runs when the function is called, after every module has
+  finished loading, so it cannot deadlock initialisation; it is how a command keeps torch off its start-up path, and
+  the count of such imports (with those under TYPE_CHECKING, which never run) is printed for information.
+- A submodule's import of its parent package is implied by Python and never counted (`pkg.m.a` importing `pkg.m.b`
+  runs `pkg/m/__init__.py` first, but that package is already initialising), so only the names written count.
+
+Exit code 0 when both rules hold, 1 with one line per violation otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under the package folder `root`."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = (root.name, *path.relative_to(root).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.Module) -> list[tuple[ast.stmt, bool]]:
+    """Every import statement with whether it runs at module initialisation (False: inside a function body)."""
+    out = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                out.append((child, top))
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, False)
+            elif isinstance(child, ast.If) and _is_type_checking(child):
+                visit(ast.Module(body=child.body, type_ignores=[]), False)
+                visit(ast.Module(body=child.orelse, type_ignores=[]), top)
+            else:
+                visit(child, top)
+
+    visit(tree, True)
+    return out
+
+
+def targets(node: ast.stmt, module: str, is_package: bool, known: dict[str, Path]) -> list[str]:
+    """The package modules an import statement in `module` names."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in known]
+    base = node.module or ""
+    if node.level:
+        anchor = module.split(".") if is_package else module.split(".")[:-1]
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    named = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]
+    rest = [a for a in node.names if f"{base}.{a.name}" not in known]
+    return named + ([base] if rest and base in known else [])
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module, or a module importing itself (Tarjan)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(graph) + 100))
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return found
+
+
+def check(root: Path) -> tuple[list[str], str]:
+    """(violations, summary line) for the package folder `root`."""
+    known = modules(root)
+    cli = f"{root.name}.cli"
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    problems, lazy, eager = [], 0, 0
+    for module, path in known.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node, top in _imports(tree):
+            for target in targets(node, module, path.name == "__init__.py", known):
+                if target == module:
+                    continue
+                in_cli = module == cli or module.startswith(cli + ".")
+                if not in_cli and (target == cli or target.startswith(cli + ".")):
+                    problems.append(f"{path}:{node.lineno}: {module} imports {target}: only {cli} may import the CLI")
+                if top:
+                    eager += 1
+                    graph[module].add(target)
+                else:
+                    lazy += 1
+    for component in cycles(graph):
+        problems.append(f"import cycle among module-level imports: {' <-> '.join(component)}")
+    summary = (f"{len(known)} modules, {eager} module-level and {lazy} deferred (in a function or TYPE_CHECKING) "
+               f"imports of {root.name} modules; "
+               f"no module outside {cli} imports it, no import cycle")
+    return problems, summary
+
+
+def main() -> None:
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "kvzip"
+    if not (root / "__init__.py").is_file():
+        print(f"check_structure: {root} is not a package folder (no __init__.py)", file=sys.stderr)
+        sys.exit(2)
+    problems, summary = check(root.resolve())
+    for line in problems:
+        print(line)
+    if problems:
+        sys.exit(1)
+    print(f"ok: {summary}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Fast tier: scripts/check_structure.py passes on kvzip/ and fails on crafted packages that break its two rules
+(a library module importing the CLI; a cycle of module-level imports, absolute or relative)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_structure.py"
+
+
+def run(root: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *([str(root)] if root else [])], capture_output=True,
+                          text=True, timeout=60)
+
+
+def package(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "pkg"
+    for name, text in {"__init__.py": "", "cli/__init__.py": "", **files}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_kvzip_passes():
+    got = run()
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert got.stdout.startswith("ok: ") and "no import cycle" in got.stdout
+
+
+def test_a_clean_package_passes_with_lazy_cycles_and_cli_imports_inside_cli(tmp_path):
+    root = package(tmp_path, {
+        "a.py": "import pkg.b\n",
+        "b.py": "def later():\n    import pkg.a\n",  # a function-level import: not a cycle at initialisation
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n",
+        "m/__init__.py": "from pkg.m import x\n",
+        "m/x.py": "from pkg.m import y\n",  # a submodule naming a sibling: the parent package is not an edge
+        "m/y.py": "",
+        "cli/run.py": "from pkg.cli import other\nimport pkg.a\n",
+        "cli/other.py": "",
+    })
+    got = run(root)
+    assert got.returncode == 0, got.stdout
+    assert "5 module-level and 2 deferred" in got.stdout
+
+
+def test_library_importing_the_cli_fails_even_inside_a_function(tmp_path):
+    root = package(tmp_path, {"lib.py": "def f():\n    from pkg.cli import run\n", "cli/run.py": ""})
+    got = run(root)
+    assert got.returncode == 1
+    assert got.stdout.strip() == f"{root / 'lib.py'}:2: pkg.lib imports pkg.cli.run: only pkg.cli may import the CLI"
+
+
+def test_module_level_cycles_fail_absolute_and_relative(tmp_path):
+    root = package(tmp_path, {
+        "a.py": "from pkg import b\n",
+        "b.py": "class K:\n    import pkg.a\n",  # a class body runs at import time
+        "s/__init__.py": "",
+        "s/x.py": "from .y import f\n",
+        "s/y.py": "try:\n    from . import x\nexcept ImportError:\n    pass\n",
+    })
+    lines = run(root).stdout.strip().splitlines()
+    assert lines == ["import cycle among module-level imports: pkg.a <-> pkg.b",
+                     "import cycle among module-level imports: pkg.s.x <-> pkg.s.y"]
+
+
+def test_a_folder_without_init_is_refused(tmp_path):
+    got = run(tmp_path)
+    assert got.returncode == 2 and "not a package folder" in got.stderr
