@@ -1,0 +1,341 @@
+"""Regenerate every results table in README.md and docs/*.md from the bench JSON committed in kvzip/bench/results/.
+
+A table lives between two markers; the opening one says what to draw:
+
+    <!-- results:quick file=bench_quick_cpu.json view=summary plot=yes -->
+    ...generated text, rewritten by this script...
+    <!-- /results:quick -->
+
+Attributes: `file` (a JSON file in kvzip/bench/results/, or a path from the repository root), `view` (`summary`:
+one row per setting and the headline columns of every workload; `workload`: every column present in one workload's
+records; `contexts`: one field of one workload at each context length), `workload`, `field` (for `contexts`),
+`columns` (a comma-separated list of column names or dotted record paths such as `method_stats.selections`,
+instead of the automatic choice), `plot=yes` (show the PNG that sits beside the JSON). Columns are chosen from the
+fields the records hold, so a new workload or field needs no edit here. Byte ratios are computed from the byte
+fields: against `full` in the run's dtype for the same tokens (`kv_bytes_full`, or for older files
+`kv_bytes_fp16_full` scaled to the run's dtype) and against fp16.
+
+    .venv/bin/python scripts/results_tables.py           # rewrite the blocks in place
+    .venv/bin/python scripts/results_tables.py --check   # exit 1 naming a stale block, 0 when all are current
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path("kvzip") / "bench" / "results"
+BLOCK = re.compile(r"<!-- results:(?P<name>[\w.-]+)(?P<attrs>[^>]*?)-->(?P<body>.*?)<!-- /results:(?P=name) -->",
+                   re.DOTALL)
+OPENING = re.compile(r"<!-- results:([\w.-]+)")
+FENCE = re.compile(r"(^```.*?^```[^\n]*$)", re.DOTALL | re.MULTILINE)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+class BlockError(Exception):
+    """A marker or its JSON is wrong: one line for the user."""
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    fmt: str = "{:.3f}"  # or "bytes", "ci" (accuracy with its 95% interval)
+
+
+def _ratio(num: str, den: str):
+    return lambda r, env: r[num] / den_value(r, den, env) if r.get(num) is not None and den_value(r, den, env) else None
+
+
+def den_value(record: dict, field: str, env: dict):
+    """The denominator of a byte ratio. `kv_bytes_full` (full's bytes, same dtype, same tokens) is derived from the
+    fp16 figure for files written before the bench recorded it: the two differ only by the element size."""
+    if field == "kv_bytes_full" and record.get("kv_bytes_full") is None and record.get("kv_bytes_fp16_full"):
+        size = DTYPE_BYTES.get(env.get("dtype", ""))
+        return record["kv_bytes_fp16_full"] * size / 2 if size else None
+    return record.get(field)
+
+
+# Every column a table may show, in display order. Derived ones compute from the record and the run's environment.
+COLUMNS = {
+    "kv_vs_full": Column("KV / full"),
+    "device_vs_full": Column("device KV / full"),
+    "kv_vs_fp16": Column("KV / fp16 full"),
+    "kv_bytes_peak": Column("KV peak", "bytes"),
+    "kv_bytes_device_peak": Column("device KV peak", "bytes"),
+    "top1_agreement": Column("top-1"),
+    "ppl": Column("ppl", "{:.2f}"),
+    "kl": Column("KL", "{:.4f}"),
+    "greedy_agreement": Column("greedy agreement"),
+    "gsm8k_accuracy": Column("GSM8K accuracy, 95% CI", "ci"),
+    "recall_accuracy": Column("recall", "{:.2f}"),
+    "decode_tokens_per_s": Column("decode tok/s", "{:.1f}"),
+    "speed_ratio_vs_full": Column("speed / full", "{:.2f}"),
+    "ttft_s": Column("ttft s", "{:.2f}"),
+    "ttft_ratio_vs_full": Column("ttft / full", "{:.2f}"),
+}
+DERIVED = {
+    "kv_vs_full": _ratio("kv_bytes_peak", "kv_bytes_full"),
+    "device_vs_full": _ratio("kv_bytes_device_peak", "kv_bytes_full"),
+    "kv_vs_fp16": _ratio("kv_bytes_peak", "kv_bytes_fp16_full"),
+}
+MEMORY = ("kv_vs_full", "device_vs_full", "kv_vs_fp16", "kv_bytes_peak", "kv_bytes_device_peak")
+# The summary view: memory from the first quality workload present, then each workload's headline fields.
+QUALITY = ("top1_agreement", "ppl", "kl")
+HEADLINE = {"output": QUALITY, "prompt": QUALITY, "ppl": QUALITY, "reasoning": ("greedy_agreement", "gsm8k_accuracy"),
+            "recall": ("recall_accuracy",), "speed": ("speed_ratio_vs_full", "ttft_ratio_vs_full")}
+
+
+def value(record: dict, key: str, env: dict):
+    if key in DERIVED:
+        return DERIVED[key](record, env)
+    out = record
+    for part in key.split("."):
+        out = out.get(part) if isinstance(out, dict) else None
+    return out
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    centre = (successes + z * z / 2) / (n + z * z)
+    half = z * math.sqrt(successes * (n - successes) / n + z * z / 4) / (n + z * z)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def cell(record: dict, key: str, env: dict) -> str:
+    v = value(record, key, env)
+    if v is None:
+        return ""
+    fmt = COLUMNS[key].fmt if key in COLUMNS else "{}"
+    if fmt == "bytes":
+        return f"{v / 2**20:.1f} MiB"
+    if fmt == "ci":  # the interval the bench recorded, else a Wilson interval from the count (older files)
+        n = record.get("prompts") or 0
+        if not n:
+            return f"{v:.2f}"
+        k = round(v * n)
+        lo, hi = record.get("gsm8k_accuracy_95ci") or wilson(k, n)
+        return f"{k}/{n} = {v:.2f} ({lo:.2f}-{hi:.2f})"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, separators=(",", ":"))
+    return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def header(key: str) -> str:
+    return COLUMNS[key].header if key in COLUMNS else key.rsplit(".", 1)[-1].replace("_", " ")
+
+
+def present(records: list[dict], key: str, env: dict) -> bool:
+    return any(value(r, key, env) is not None for r in records)
+
+
+def auto_columns(records: list[dict], env: dict) -> list[str]:
+    """Every known column some record has, minus the device columns where no setting keeps a host tier."""
+    keys = [k for k in COLUMNS if present(records, k, env)]
+    if all(r.get("kv_bytes_device_peak") == r.get("kv_bytes_peak") for r in records):
+        keys = [k for k in keys if k not in ("device_vs_full", "kv_bytes_device_peak")]
+    return keys
+
+
+def markdown(headers: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return out + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def records_of(data: dict, workload: str) -> list[dict]:
+    found = [r for r in data["results"] if r["workload"] == workload]
+    if not found:
+        have = sorted({r["workload"] for r in data["results"]})
+        raise BlockError(f"workload '{workload}' is not in this file; it has: {', '.join(have)}")
+    return found
+
+
+def view_workload(data: dict, attrs: dict) -> list[str]:
+    env = data.get("environment", {})
+    records = records_of(data, attrs.get("workload", ""))
+    keys = attrs["columns"].split(",") if "columns" in attrs else auto_columns(records, env)
+    rows = [[r["label"]] + [cell(r, k, env) for k in keys] for r in records]
+    return markdown(["method"] + [header(k) for k in keys], rows)
+
+
+def view_contexts(data: dict, attrs: dict) -> list[str]:
+    env = data.get("environment", {})
+    field = attrs.get("field")
+    if not field:
+        raise BlockError("view=contexts needs field=NAME (e.g. field=top1_agreement)")
+    records = records_of(data, attrs.get("workload", ""))
+    contexts = sorted({c["context"] for r in records for c in r.get("by_context", [])})
+    if not contexts:
+        raise BlockError(f"workload '{attrs['workload']}' has no per-context records")
+    rows = []
+    for r in records:
+        by = {c["context"]: c for c in r.get("by_context", [])}
+        rows.append([r["label"]] + [cell(by[c], field, env) if c in by else "" for c in contexts])
+    return markdown(["method"] + [f"{header(field)} @ {c}" for c in contexts], rows)
+
+
+def run_workloads(data: dict) -> list[str]:
+    ran = {r["workload"] for r in data["results"]}
+    listed = data.get("config", {}).get("workloads", [])
+    return [w for w in listed if w in ran] + sorted(ran - set(listed))
+
+
+def memory_workload(data: dict, attrs: dict) -> str:
+    """The workload whose byte fields fill the summary's memory columns: `memory=` or the first one not `speed`."""
+    workloads = run_workloads(data)
+    if not workloads:
+        raise BlockError("this file holds no results")
+    return attrs.get("memory") or next((w for w in workloads if w != "speed"), workloads[0])
+
+
+def view_summary(data: dict, attrs: dict) -> list[str]:
+    env = data.get("environment", {})
+    by = {(r["label"], r["workload"]): r for r in data["results"]}
+    workloads = run_workloads(data)
+    labels = [s["label"] for s in data["settings"] if any(k[0] == s["label"] for k in by)]
+    memory_from = memory_workload(data, attrs)
+    mem_records = records_of(data, memory_from)
+    columns = [(memory_from, k) for k in auto_columns(mem_records, env) if k in MEMORY and k != "kv_bytes_device_peak"]
+    for w in workloads:
+        records = [r for r in data["results"] if r["workload"] == w]
+        fields = HEADLINE.get(w) or [k for k in auto_columns(records, env) if k not in MEMORY]
+        columns += [(w, k) for k in fields if present(records, k, env)]
+    rows = [[label] + [cell(by.get((label, w), {}), k, env) for w, k in columns] for label in labels]
+    return markdown(["method"] + [f"{header(k)} ({w})" if k not in MEMORY else header(k) for w, k in columns], rows)
+
+
+VIEWS = {"summary": view_summary, "workload": view_workload, "contexts": view_contexts}
+
+
+def caption(data: dict, rel_json: str, view: str, attrs: dict) -> list[str]:
+    env, cfg = data.get("environment", {}), data.get("config", {})
+    run = f"`{data['command']}`" if data.get("command") else "command not recorded"
+    sha = data.get("commit") or env.get("commit")
+    commit = f"commit `{sha[:12]}{'-dirty' * sha.endswith('-dirty')}`" if sha else "commit not recorded"
+    threads = env.get("torch_threads", "?")
+    where = f"{env.get('model', '?')}, {env.get('device', '?')} {env.get('dtype', '')}, {threads} thread{'s' * (threads != 1)}"
+    lines = [f"From `{rel_json}`: {run}, {commit}, run {env.get('date', '?')[:16].replace('T', ' ')} UTC, {where}"
+             + (f", {data['wall_s'] / 60:.1f} min." if data.get("wall_s") else ".")]
+    if view == "summary":
+        lines.append(f"Memory columns: peak KV bytes on the `{memory_workload(data, attrs)}` workload; the other "
+                     "columns name their workload.")
+    w = attrs.get("workload")
+    sizes = {k[len(w) + 1:]: v for k, v in cfg.items() if w and k.startswith(w + "_")}
+    if sizes:
+        lines.append(f"`{w}` sizes: " + ", ".join(f"{k} {v}" for k, v in sizes.items()) + ".")
+    return lines
+
+
+def notes(data: dict, workload: str | None) -> list[str]:
+    """Skipped and failed settings (of `workload` only, when the table shows one), and an interrupted run."""
+    mine = lambda e: workload is None or e.get("workload") in (None, workload)  # noqa: E731
+    out = [f"Skipped: {s['label']} ({s.get('workload', 'every workload')}): {s['reason']}"
+           for s in data.get("skipped", []) if mine(s)]
+    out += [f"Failed: {f['label']} on {f['workload']}: {f['error'].splitlines()[0]}"
+            for f in data.get("failed", []) if mine(f)]
+    if data.get("interrupted"):
+        out.append("The run was interrupted: settings after the last record are missing.")
+    return out
+
+
+def render(name: str, attrs: dict, md_path: Path, root: Path) -> str:
+    if "file" not in attrs:
+        raise BlockError("the marker names no file=...")
+    path = root / attrs["file"] if "/" in attrs["file"] else root / RESULTS / attrs["file"]
+    if not path.is_file():
+        raise BlockError(f"{path.relative_to(root)} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise BlockError(f"{path.relative_to(root)} is not valid JSON ({exc})") from None
+    view = attrs.get("view", "workload" if "workload" in attrs else "summary")
+    if view not in VIEWS:
+        raise BlockError(f"view={view} is not one of: {', '.join(VIEWS)}")
+    rel_json = path.relative_to(root).as_posix()
+    lines = ["<!-- generated by scripts/results_tables.py from the JSON named above; edit the marker, not this -->"]
+    if attrs.get("plot") == "yes":
+        png = path.with_suffix(".png")
+        if not png.is_file():
+            raise BlockError(f"plot=yes but {png.relative_to(root)} does not exist")
+        lines.append(f"![top-1 agreement vs KV bytes, from {path.name}]({os.path.relpath(png, md_path.parent)})")
+        lines.append("")
+    lines += caption(data, rel_json, view, attrs) + [""] + VIEWS[view](data, attrs)
+    extra = notes(data, None if view == "summary" else attrs.get("workload"))
+    return "\n".join(lines + ([""] + extra if extra else [])) + "\n"
+
+
+def regenerate(text: str, md_path: Path, root: Path) -> tuple[str, list[str]]:
+    """(new text, names of the blocks whose content changed). Markers inside fenced code (an example of the syntax)
+    are left alone."""
+    parts = FENCE.split(text)  # odd items are fenced code blocks
+    changed: list[str] = []
+    for i in range(0, len(parts), 2):
+        parts[i], names = _regenerate_prose(parts[i], md_path, root)
+        changed += names
+    return "".join(parts), changed
+
+
+def _regenerate_prose(text: str, md_path: Path, root: Path) -> tuple[str, list[str]]:
+    opened = OPENING.findall(text)
+    closed = {m.group("name") for m in BLOCK.finditer(text)}
+    for name in opened:
+        if name not in closed:
+            raise BlockError(f"results block '{name}' has no closing <!-- /results:{name} --> marker")
+    changed = []
+
+    def one(m: re.Match) -> str:
+        name = m.group("name")
+        try:
+            attrs = dict(item.split("=", 1) for item in shlex.split(m.group("attrs")))
+        except ValueError:
+            raise BlockError(f"results block '{name}': attributes must be key=value") from None
+        try:
+            body = "\n" + render(name, attrs, md_path, root)
+        except BlockError as exc:
+            raise BlockError(f"results block '{name}': {exc}") from None
+        if body != m.group("body"):
+            changed.append(name)
+        return f"<!-- results:{name}{m.group('attrs')}-->{body}<!-- /results:{name} -->"
+
+    return BLOCK.sub(one, text), changed
+
+
+def documents(root: Path) -> list[Path]:
+    return [p for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))] if p.is_file()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
+    parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this script's)")
+    args = parser.parse_args(argv)
+    stale = []
+    for md in documents(args.root):
+        text = md.read_text()
+        try:
+            new, changed = regenerate(text, md, args.root)
+        except BlockError as exc:
+            print(f"{md.relative_to(args.root)}: {exc}", file=sys.stderr)
+            return 2
+        stale += [f"{md.relative_to(args.root)}: results block '{name}' is stale" for name in changed]
+        if changed and not args.check:
+            tmp = md.with_name(md.name + ".tmp")
+            tmp.write_text(new)
+            os.replace(tmp, md)
+    if args.check and stale:
+        print(f"{stale[0]} (and {len(stale) - 1} more)" if len(stale) > 1 else stale[0],
+              "- run: .venv/bin/python scripts/results_tables.py")
+        return 1
+    for line in ([] if args.check else stale):
+        print(line.replace("is stale", "rewritten"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
