@@ -126,6 +126,9 @@ def chat_stats_table(snap: dict):
     return table
 
 
+ECHO_ROOM = len("^C")  # columns kept free at the end of the live region's lines
+
+
 class ChatLive:
     """An answer streaming above the live panel. Finished lines go to the scrollback; the line being written and
     the panel are redrawn at most `per_second` times a second (and not at all when stdout is not a terminal:
@@ -162,11 +165,16 @@ class ChatLive:
         if self.live is None or (not force and time.monotonic() - self.drawn < self.period):
             return
         from rich.console import Group
+        from rich.constrain import Constrain
         from rich.text import Text
 
         self.snap = snapshot()
         self.drawn = time.monotonic()
-        self.live.update(Group(Text(self.line), chat_panel(self.snap, self.compact)), refresh=True)
+        # The region is drawn ECHO_ROOM columns narrower than the terminal: the cursor rests after its last line,
+        # where the terminal echoes a Ctrl-C as "^C". On a full-width line that echo wraps, the region slides down a
+        # line, and clearing it at the end would leave its first line (the partial answer) on screen twice.
+        region = Group(Text(self.line), chat_panel(self.snap, self.compact))
+        self.live.update(Constrain(region, width=max(out.width - ECHO_ROOM, 1)), refresh=True)
 
     def __exit__(self, *exc):
         if self.live is not None:
