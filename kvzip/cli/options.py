@@ -18,7 +18,7 @@ MethodName = Annotated[str, typer.Option("--method", help="Cache method; `kvzip 
 Opts = Annotated[Optional[list[str]], typer.Option("--opt", help="Method option key=value, repeatable.")]
 DictPath = Annotated[Optional[Path], typer.Option("--dict", help="Dictionary file for dictionary methods (default: the one shipped for the model).")]
 TrustRemoteCode = Annotated[bool, typer.Option(help="Allow a hub model's own Python code to run.")]
-Seed = Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.", show_default="none: unseeded")]
+Seed = Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling (default: none, unseeded).")]
 
 
 def parse_opts(opts: list[str] | None) -> dict[str, str]:
