@@ -3,9 +3,9 @@
     python scripts/first_token_time.py --runs 3 -- .venv/bin/kvzip generate --max-new-tokens 16 "Tell me a fact"
 
 The command's stdout is read unbuffered; with a single prompt, `kvzip generate` streams the completion, so the first
-byte is the first generated text. Run it once with KVZIP_WARM=0 for the cold figure (imports + model load every
-time) and once without for the warm one (the first run of a fresh machine is cold either way and starts the warm
-process; later runs are served by it).
+byte is the first generated text: the imports, the model load and the prefill of every run, since each command is
+one process that starts from nothing. The first run of a fresh machine also pays the one-time GGUF conversion and
+a cold file cache, which is why the median over several runs is reported.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def once(cmd: list[str]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--pause", type=float, default=8.0, help="seconds between runs (lets a warm process start)")
+    parser.add_argument("--pause", type=float, default=8.0, help="seconds between runs (lets the machine settle)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
