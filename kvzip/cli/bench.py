@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import DictPath, Device, Dtype, Model, TrustRemoteCode
+from kvzip.cli.options import DictPath, Device, Dtype, Model, TrustRemoteCode, dict_file, output_path
 from kvzip.errors import UserError
-from kvzip.files import publish
+from kvzip.files import atomic_path, write_atomic
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -85,16 +83,8 @@ def _table(data: dict):
 def _save_plot(data: dict, path: Path) -> list[str]:
     from kvzip.bench.report import plot
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
-        front = plot(data, tmp)
-        publish(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return front
+    with atomic_path(path) as tmp:
+        return plot(data, tmp)
 
 
 def bench(
@@ -130,11 +120,10 @@ def bench(
             import matplotlib  # noqa: F401
         except ImportError:
             raise UserError("--plot needs matplotlib: pip install matplotlib") from None
-    if dict_path is not None and not dict_path.is_file():
-        raise UserError(f"--dict {dict_path} does not exist: give a dictionary file made by `kvzip train-dict`")
-    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
-        if path is not None and path.is_dir():
-            raise UserError(f"{flag} {path} is a directory: give a file path")
+    dict_path = dict_file(dict_path)
+    if dict_path is not None and not any(s.build().needs_dictionary for s in settings):
+        raise UserError("--dict is for methods that use a dictionary; none of these settings uses one")
+    json_path, plot_path = output_path(json_path, "--json"), output_path(plot_path, "--plot")
 
     from kvzip.models import load_model
 
@@ -165,8 +154,6 @@ def bench(
                           f"{env['load_average_start'][0]} -> {env['load_average_end'][0]}); peak RSS "
                           f"{display.human_bytes(data['process']['peak_rss_bytes'])}; speed ratios are against full in this run")
     if json_path is not None:
-        from kvzip.cli.generate import write_atomic
-
         write_atomic(json_path, json.dumps(data, indent=1) + "\n")
         display.console.print(f"wrote {json_path}")
     if plot_path is not None:
