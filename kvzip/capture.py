@@ -6,9 +6,12 @@ so that attention inside a chunk stays cheap) and collects, per layer, keys and 
 into rows: row r of a layer's (M, d) tensor is token r // Hkv, head r % Hkv.
 
 Keys come in two flavours. `post-rope`: read back from the cache after each chunk, i.e. exactly what a cache stores
-and what attention multiplies the query with. `pre-rope`: the output of each layer's `self_attn.k_proj`, caught with
-a forward hook, before the rotary embedding (the rotation is applied at attention time from the position).
-Values are the same either way (read from the cache).
+and what attention multiplies the query with. `pre-rope`: the same keys with each layer's own RoPE turned back
+(kvzip.rope: its base, the channels it turns, its scale), i.e. the key as the projection (and the model's key norm,
+where it has one) wrote it, exactly what fadkv codes when it undoes RoPE on a cached key. Turning back, rather than
+hooking `k_proj`, gives that whatever the family: fused qkv projections (Phi-3), key norms after the projection
+(Qwen3, Gemma 3), partial rotary. Values are the same either way (read from the cache). The capture cache keeps
+every token of every layer, sliding-window layers included (the model's mask still limits what they see).
 
 The last `holdout` fraction of every document's tokens is marked held out, so the error report of `train-dict`
 is measured on text the dictionary never saw, spread over every source and position range.
@@ -57,12 +60,13 @@ def capture_kv(model, documents: list[list[int]], keys: str = "post-rope", chunk
                progress: Progress | None = None) -> Captured:
     """Feed each document (token ids) through `model` and collect its K/V vectors per layer.
 
-    keys: "post-rope" (from the cache) or "pre-rope" (k_proj output). holdout: fraction of each document's last
+    keys: "post-rope" (from the cache) or "pre-rope" (the cached keys with each layer's RoPE turned back). holdout: fraction of each document's last
     tokens marked held out. Vectors are stored in `store_dtype` (fp16 halves the memory of a 20k-token capture to
     ~0.5 GB for SmolLM2; its rounding, ~5e-4 relative, is far below any coding error). progress(tokens_done, total).
     """
-    from kvzip.methods import get_method
-    from kvzip.methods.base import model_layout
+    from kvzip.methods.base import KVCache, model_layout
+    from kvzip.methods.full import FullLayer
+    from kvzip.rope import layer_ropes, unrotate
 
     if keys not in KEY_MODES:
         raise ValueError(f"keys must be one of {', '.join(KEY_MODES)}, got {keys!r}")
@@ -75,46 +79,31 @@ def capture_kv(model, documents: list[list[int]], keys: str = "post-rope", chunk
     k_out: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
     v_out: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
     held: list[torch.Tensor] = []
-    pre: dict[int, torch.Tensor] = {}
-
-    def hook(i):
-        def grab(module, inputs, output):
-            pre[i] = output                                               # (1, t, Hkv * d)
-        return grab
-
-    handles = []
-    if keys == "pre-rope":
-        handles = [layer.self_attn.k_proj.register_forward_hook(hook(i))
-                   for i, layer in enumerate(model.model.layers)]
+    ropes = layer_ropes(model, "pre-RoPE keys") if keys == "pre-rope" else None
     done = 0
-    try:
-        for doc in documents:
-            ids = torch.tensor(doc, dtype=torch.long, device=model.device)
-            cache = get_method("full").make_cache(model)
-            for a in range(0, len(doc), chunk):
-                b = min(a + chunk, len(doc))
-                model(input_ids=ids[None, a:b], cache=cache, use_cache=True, logits_to_keep=1,
-                      **cache.model_kwargs())
-                t = b - a
-                for i in range(n_layers):
-                    layer = cache.layers[i]
-                    if keys == "post-rope":
-                        k = layer.keys[0, :, -t:].transpose(0, 1)                # (t, Hkv, d)
-                    else:
-                        k = pre[i][0].view(t, n_kv, head_dim)                     # (t, Hkv, d)
-                    k_out[i].append(k.to("cpu", store_dtype))
-                    v_out[i].append(layer.values[0, :, -t:].transpose(0, 1).to("cpu", store_dtype))  # (t, Hkv, d)
-                done += t
-                if progress is not None:
-                    progress(done, total)
-            mark = torch.zeros(len(doc), dtype=torch.bool)                    # (t_doc,)
-            n_held = int(round(holdout * len(doc)))
-            if n_held:
-                mark[-n_held:] = True
-            held.append(mark)
-    finally:
-        for h in handles:
-            h.remove()
+    for doc in documents:
+        ids = torch.tensor(doc, dtype=torch.long, device=model.device)
+        cache = KVCache([FullLayer() for _ in range(n_layers)], None)  # every token, even on sliding layers
+        for a in range(0, len(doc), chunk):
+            b = min(a + chunk, len(doc))
+            model(input_ids=ids[None, a:b], cache=cache, use_cache=True, logits_to_keep=1,
+                  **cache.model_kwargs())
+            t = b - a
+            for i in range(n_layers):
+                layer = cache.layers[i]
+                k = layer.keys[0, :, -t:]                                     # (Hkv, t, d)
+                if ropes is not None:
+                    k = unrotate(k.float(), torch.arange(a, b, device=k.device), ropes[i])
+                k_out[i].append(k.transpose(0, 1).to("cpu", store_dtype))   # (t, Hkv, d)
+                v_out[i].append(layer.values[0, :, -t:].transpose(0, 1).to("cpu", store_dtype))  # (t, Hkv, d)
+            done += t
+            if progress is not None:
+                progress(done, total)
+        mark = torch.zeros(len(doc), dtype=torch.bool)                    # (t_doc,)
+        n_held = int(round(holdout * len(doc)))
+        if n_held:
+            mark[-n_held:] = True
+        held.append(mark)
     flat = lambda parts: torch.cat(parts).reshape(-1, head_dim)          # noqa: E731  (T, Hkv, d) -> (T * Hkv, d)
     return Captured([flat(k) for k in k_out], [flat(v) for v in v_out], n_kv, total, torch.cat(held), keys)
 
@@ -147,7 +136,9 @@ def chat_documents(model, tokenizer, max_tokens: int, batch_size: int = 32, max_
     for start in range(0, len(problems), batch_size):
         if have >= max_tokens:
             break
-        prompts = [engine.encode(tokenizer, p["question"]) for p in problems[start:start + batch_size]]
+        # A base model (no chat template, e.g. Gemma 3 270M) answers the question as raw text.
+        prompts = [engine.encode(tokenizer, p["question"], raw=tokenizer.chat_template is None)
+                   for p in problems[start:start + batch_size]]
         cache = get_method("full").make_cache(model)
         for event in engine.generate(model, tokenizer, prompts, cache, settings):
             if isinstance(event, engine.Result):

@@ -24,9 +24,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from kvzip import engine
 from kvzip.errors import UserError
-from kvzip.methods.base import Method
+from kvzip.methods.base import Method, kv_report
 
 PREFILL_CHUNK = 256  # tokens per forward when the history is re-prefilled (the progress bar advances per chunk)
 ON_FULL = ("stop", "evict")
@@ -116,18 +118,12 @@ class ChatSession:
         """Numbers for the live panel and /stats: context, KV bytes by tier against fp16 full, speed, method stats."""
         mem = memory if memory is not None else self.cache.memory()
         recent, average = self.meter.rates()
-        fp16 = mem.get("fp16_full", 0)
         return {
             **self.method.describe(),
             "context_tokens": self.context_tokens(),
             "context_limit": self.limit,
             "turns": len(self.turns),
-            "kv_bytes": mem.get("total", 0),
-            "kv_bytes_device": mem.get("on_device", 0),
-            "kv_bytes_by_tier": {k: mem.get(k, 0) for k in ("device", "codes", "dictionary", "host")},
-            "kv_bytes_full": mem.get("full_same_dtype", 0),
-            "kv_bytes_fp16_full": fp16,
-            "kv_ratio_vs_fp16_full": round(mem.get("total", 0) / fp16, 4) if fp16 else 0.0,
+            **kv_report(mem, mem),
             "decode_tokens_per_s_recent": round(recent, 2),
             "decode_tokens_per_s_average": round(average, 2),
             "method_stats": self.cache.stats(),
@@ -194,15 +190,15 @@ class ChatSession:
 
     # -- running ---------------------------------------------------------------------------------------------------
     def _prefill(self, ids: list[int], progress: Callable[[int, int], None] | None) -> None:
-        """Feed `ids` into the cache in chunks (one engine call each, its sampled token discarded)."""
-        one = replace(self.settings, max_new_tokens=1, temperature=0.0)
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[start : start + PREFILL_CHUNK]
-            for _ in engine.generate(self.model, self.tokenizer, [chunk], self.cache, one):
-                pass
-            self.ids.extend(chunk)
-            if progress is not None:
-                progress(len(self.ids), len(ids))
+        """Feed `ids` into the cache in chunks of PREFILL_CHUNK through the engine's Stream (logits discarded)."""
+        stream = engine.Stream(self.model, self.tokenizer, self.cache)
+        with torch.inference_mode():
+            for start in range(0, len(ids), PREFILL_CHUNK):
+                chunk = ids[start : start + PREFILL_CHUNK]
+                stream.prefill([chunk])
+                self.ids.extend(chunk)
+                if progress is not None:
+                    progress(len(self.ids), len(ids))
 
     def turn(self, user: str, should_stop: Callable[[], bool] = lambda: False,
              progress: Callable[[int, int], None] | None = None) -> Iterator:
@@ -223,16 +219,20 @@ class ChatSession:
         notice = rebuild
         if settings.max_new_tokens < self.settings.max_new_tokens:
             notice = f"context nearly full: this answer is limited to {room} tokens ({self.limit} token limit)"
-        result = None
+        result = summary = None
         events = engine.generate(self.model, self.tokenizer, [new], self.cache, settings)
         event = next(events)
         while True:
             if isinstance(event, engine.Result):
                 result = event
+            elif isinstance(event, engine.Summary):
+                summary = event
                 break
-            if isinstance(event, engine.Step):
+            elif isinstance(event, engine.Step):
                 self.meter.step(event)
-            yield event
+                yield event
+            else:
+                yield event
             if isinstance(event, engine.Step) and should_stop():
                 event = events.throw(KeyboardInterrupt)  # at a Step every kept answer token is in the cache
             else:
@@ -245,7 +245,7 @@ class ChatSession:
         answer = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
         self.rendered = full + answer
-        stats = {**result.stats, "context_tokens": len(self.ids)}
+        stats = {**summary.stats, **result.stats, "context_tokens": len(self.ids)}
         turn = Turn(user, answer, result.finish_reason, stats, notice)
         self.turns.append(turn)
         yield turn

@@ -1,8 +1,12 @@
-"""The generation engine: prefill, then decode one token at a time, as a generator of events.
+"""The generation engine: one set of step primitives that every loop over the model runs through.
 
-It works with any kvzip cache the same way (no method-specific branches): the cache rides along in the model's
-forward call (`cache.model_kwargs()`), hears about every sampled token (`cache.on_step`), and reports its memory by
-tier after every forward. The engine knows nothing of the CLI: callers consume `Token`, `Step` and `Result` events.
+`Stream` owns a batch of rows in one cache: it left-pads the prompts (telling the cache each row's padding,
+`cache.on_prefill`), runs one forward with the cache and its keyword arguments, calls the cache's step hook
+(`cache.on_step`) with the decoded text before every fed token, and
+tracks memory by tier after every forward. Generation (`generate`, below), teacher-forced evaluation
+(`kvzip.evaluate`), forced decoding (`kvzip.bench.recall`) and chat prefill (`kvzip.chat`) are short loops over it, so
+every cache hook runs on every path. The engine knows nothing of the CLI or of any method's internals; callers
+consume `Token`, `Step`, `Result` and `Summary` events.
 
     for event in generate(model, tokenizer, [ids], cache, Settings(max_new_tokens=64)):
         if isinstance(event, Token): print(event.text, end="")
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvzip.errors import UserError
-from kvzip.methods.base import KVCache
+from kvzip.methods.base import KVCache, kv_report
 
 
 @dataclass
@@ -34,13 +38,13 @@ class Settings:
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+            raise UserError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise UserError(f"--temperature must be >= 0, got {self.temperature}")
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise UserError(f"--top-k must be >= 0, got {self.top_k}")
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
 
 
 @dataclass
@@ -54,16 +58,19 @@ class Token:
 
 @dataclass
 class Step:
-    """After every forward: tokens in context and the cache's memory by tier."""
+    """After every forward: tokens in context, the cache's memory by tier, and the logits (B, V) it produced."""
 
     step: int
     context_tokens: int
     memory: dict
     elapsed_s: float
+    logits: torch.Tensor | None = None
 
 
 @dataclass
 class Result:
+    """One finished row: its tokens, text and why it stopped; `stats` holds only this row's own figures."""
+
     row: int
     prompt_tokens: int
     token_ids: list[int]
@@ -72,17 +79,24 @@ class Result:
     stats: dict = field(default_factory=dict)
 
 
+@dataclass
+class Summary:
+    """After the last Result: the batch's figures (timing, KV bytes by tier and their ratios, method statistics)."""
+
+    stats: dict
+
+
 def encode(tokenizer, item: str | list[dict], raw: bool = False, system: str | None = None) -> list[int]:
     """Token ids for a prompt string or a list of chat messages, through the model's chat template unless raw."""
     if raw:
         if not isinstance(item, str):
-            raise UserError("--raw takes plain prompts, not chat messages")
+            raise UserError("raw prompts are plain strings, not chat messages")
         return tokenizer(item, add_special_tokens=True)["input_ids"]
     messages = [{"role": "user", "content": item}] if isinstance(item, str) else list(item)
     if system is not None and not (messages and messages[0].get("role") == "system"):
         messages = [{"role": "system", "content": system}] + messages
     if tokenizer.chat_template is None:
-        raise UserError("this model's tokenizer has no chat template: pass --raw to use the prompt as it is")
+        raise UserError("this model's tokenizer has no chat template: use the prompt as raw text")
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(out["input_ids"])
 
@@ -114,7 +128,7 @@ def sample(logits: torch.Tensor, s: Settings, generator: torch.Generator | None)
     return torch.multinomial(probs, 1).squeeze(-1)
 
 
-class _Detok:
+class Detokenizer:
     """Incremental detokenizer: emits text only once a token sequence decodes to whole characters."""
 
     def __init__(self, tokenizer):
@@ -131,7 +145,8 @@ class _Detok:
         return ""
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for queued device work before reading a timer (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -140,22 +155,87 @@ def check_context(model, prompt_len: int, max_new_tokens: int, past: int = 0) ->
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and past + prompt_len + max_new_tokens > limit:
         raise UserError(
-            f"prompt of {prompt_len} tokens{f' after {past} in context' if past else ''} plus --max-new-tokens "
-            f"{max_new_tokens} exceeds the model's context of {limit} tokens: shorten the prompt or lower --max-new-tokens"
+            f"prompt of {prompt_len} tokens{f' after {past} in context' if past else ''} plus {max_new_tokens} new "
+            f"tokens exceeds the model's context of {limit} tokens: shorten the prompt or ask for fewer new tokens"
         )
+
+
+class Stream:
+    """A batch of rows in one cache, fed through the model one forward at a time: the engine's step primitives.
+
+    `prefill(prompts)` left-pads and feeds whole prompts (when the cache already holds tokens, a single row is
+    appended after them); `step(token_ids, texts)` tells the cache which token comes next and with what text
+    (`cache.on_step`), then feeds that one token per row. Both return the next-token logits (B, V). `memory` is the
+    cache's report after the last forward and `peak` the per-tier maximum over all of them.
+    """
+
+    def __init__(self, model, tokenizer, cache: KVCache):
+        self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        self.device = model.device
+        self.mask: torch.Tensor | None = None  # (B, past + fed) 1 for real tokens, 0 for left padding
+        self.positions: torch.Tensor | None = None  # (B, 1) position of each row's last fed token
+        self.detoks: list[Detokenizer] = []
+        self.memory: dict = {}
+        self.peak: dict[str, int] = {}
+
+    @property
+    def batch(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[0]
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, logits_to_keep=1, **self.cache.model_kwargs())
+        self.memory = self.cache.memory()
+        for tier, n in self.memory.items():
+            self.peak[tier] = max(self.peak.get(tier, 0), n)
+        self.positions = positions[:, -1:]
+        return out.logits[:, -1, :]
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Feed whole prompts (token ids), left-padded into one batch; returns the logits (B, V) after them."""
+        past = self.cache.get_seq_length()
+        if past and len(prompts) != 1:
+            raise ValueError("continuing a cache works with a single row")
+        if any(not ids for ids in prompts):
+            raise UserError("empty prompt")
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = next(iter(eos_ids(self.model, self.tokenizer)), 0)
+        width, batch = max(len(p) for p in prompts), len(prompts)
+        ids = torch.full((batch, width), pad, dtype=torch.long)
+        mask = torch.zeros(batch, past + width, dtype=torch.long)
+        mask[:, :past] = 1
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, past + width - len(p):] = 1
+        self.mask = mask.to(self.device)
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, past:]  # (B, width), padding at position 0
+        if len(self.detoks) != batch:
+            self.detoks = [Detokenizer(self.tokenizer) for _ in range(batch)]
+        self.cache.on_prefill(self.mask)
+        return self._forward(ids.to(self.device), positions)
+
+    def step(self, token_ids: torch.Tensor, texts: list[str] | None = None) -> torch.Tensor:
+        """Feed one token per row, token_ids (B,); `texts` the text each adds (decoded here when None)."""
+        if texts is None:
+            texts = [d.add(t) for d, t in zip(self.detoks, token_ids.tolist())]
+        self.cache.on_step(token_ids, texts)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.batch, 1)], dim=-1)
+        return self._forward(token_ids.view(-1, 1).to(self.device), self.positions + 1)
+
+    def report(self) -> dict:
+        """KV bytes by tier (peak and last), full's bytes for the same tokens, their ratios, the method's stats."""
+        return {**kv_report(self.peak, self.memory), "method_stats": self.cache.stats()}
 
 
 @torch.inference_mode()
 def generate(model, tokenizer, prompts: list[list[int]], cache: KVCache, settings: Settings) -> Iterator:
     """Prefill `prompts` (token ids, left-padded into one batch) into `cache`, then decode.
 
-    Yields Token and Step events, then one Result per row. When the cache already holds tokens (a chat turn),
-    the batch must be a single row and the new tokens are appended after them.
+    Yields Token and Step events, then one Result per row and a Summary of the batch. When the cache already
+    holds tokens (a chat turn), the batch must be a single row and the new tokens are appended after them.
     """
-    device = model.device
     past = cache.get_seq_length()
-    if past and len(prompts) != 1:
-        raise ValueError("continuing a cache works with a single row")
     for ids in prompts:
         if not ids:
             raise UserError("empty prompt")
@@ -164,41 +244,19 @@ def generate(model, tokenizer, prompts: list[list[int]], cache: KVCache, setting
     if settings.seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(settings.seed)
     stops = set() if settings.ignore_eos else eos_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids(model, tokenizer)))
-
-    # 1. Left-pad the batch: (B, T) ids, a 2D mask over past + new tokens, positions that skip the padding.
-    width = max(len(p) for p in prompts)
+    stream = Stream(model, tokenizer, cache)
     batch = len(prompts)
-    input_ids = torch.full((batch, width), pad, dtype=torch.long)
-    mask = torch.zeros(batch, past + width, dtype=torch.long)
-    mask[:, :past] = 1
-    for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        mask[row, past + width - len(ids):] = 1
-    input_ids, mask = input_ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
 
-    peak: dict[str, int] = {}
-
-    def forward(ids, attn_mask, pos):
-        out = model(input_ids=ids, attention_mask=attn_mask, position_ids=pos, cache=cache, use_cache=True,
-                    logits_to_keep=1, **cache.model_kwargs())
-        mem = cache.memory()
-        for k, v in mem.items():
-            peak[k] = max(peak.get(k, 0), v)
-        return out.logits[:, -1, :], mem
-
-    # 2. Prefill.
-    _sync(device)
+    # 1. Prefill: time to first token.
+    sync(stream.device)
     t0 = time.perf_counter()
-    logits, mem = forward(input_ids, mask, positions)
+    logits = stream.prefill(prompts)
     next_ids = sample(logits, settings, generator)
-    _sync(device)
+    sync(stream.device)
     ttft = time.perf_counter() - t0
-    yield Step(0, cache.get_seq_length(), mem, ttft)
+    yield Step(0, cache.get_seq_length(), stream.memory, ttft, logits)
 
-    # 3. Decode until every row has finished.
-    detoks = [_Detok(tokenizer) for _ in prompts]
+    # 2. Decode until every row has finished: emit each row's token, then feed the batch's tokens as one step.
     texts = [""] * batch
     out_ids: list[list[int]] = [[] for _ in prompts]
     finish: list[str | None] = [None] * batch
@@ -215,7 +273,7 @@ def generate(model, tokenizer, prompts: list[list[int]], cache: KVCache, setting
                     finish[row] = "eos"
                     continue
                 out_ids[row].append(tok)
-                deltas[row] = detoks[row].add(tok)
+                deltas[row] = stream.detoks[row].add(tok)
                 texts[row] += deltas[row]
                 hit = next((s for s in settings.stop if s in texts[row]), None)
                 if hit is not None:
@@ -228,37 +286,32 @@ def generate(model, tokenizer, prompts: list[list[int]], cache: KVCache, setting
                     finish[row] = "length"
             if all(f is not None for f in finish):
                 break
-            cache.on_step(next_ids, deltas)
             step += 1
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
-            positions = positions[:, -1:] + 1
-            logits, mem = forward(next_ids.view(batch, 1), mask, positions)
+            logits = stream.step(next_ids, deltas)
             next_ids = sample(logits, settings, generator)
-            yield Step(step, cache.get_seq_length(), mem, time.perf_counter() - t0)
+            yield Step(step, cache.get_seq_length(), stream.memory, time.perf_counter() - t0, logits)
     except KeyboardInterrupt:
         finish = [f or "interrupted" for f in finish]
-    _sync(device)
+    sync(stream.device)
     decode_s = time.perf_counter() - t_decode
+
+    # 3. One Result per row (its own figures only), then the batch's Summary.
+    for row in range(batch):
+        yield Result(row, len(prompts[row]), out_ids[row], texts[row], finish[row] or "length",
+                     {"prompt_tokens": len(prompts[row]), "new_tokens": len(out_ids[row])})
     new_tokens = sum(len(o) for o in out_ids)
-    final = cache.memory()
+    prompt_tokens = sum(len(p) for p in prompts)
     stats = {
-        "prompt_tokens": sum(len(p) for p in prompts),
+        "rows": batch,
+        "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
         "ttft_s": round(ttft, 4),
-        "prefill_tokens_per_s": round(sum(len(p) for p in prompts) / ttft, 2),
+        "prefill_tokens_per_s": round(prompt_tokens / ttft, 2),
         "decode_s": round(decode_s, 4),
+        # the first new token of each row comes from the prefill; every later one from a decode step
         "decode_tokens_per_s": round(max(new_tokens - batch, 0) / decode_s, 2) if decode_s > 0 else 0.0,
-        "kv_bytes": peak.get("total", 0),
-        "kv_bytes_device": peak.get("on_device", 0),
-        "kv_bytes_host": peak.get("host", 0),
-        "kv_bytes_final": final["total"],
-        "kv_bytes_by_tier": {k: final[k] for k in ("device", "codes", "dictionary", "host")},
-        "kv_bytes_full": final["full_same_dtype"],
-        "kv_bytes_fp16_full": final["fp16_full"],
-        "kv_ratio_vs_fp16_full": round(final["total"] / final["fp16_full"], 4) if final["fp16_full"] else 0.0,
-        "method_stats": cache.stats(),
+        **stream.report(),
     }
-    if device.type == "cuda":
-        stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
-    for row in range(batch):
-        yield Result(row, len(prompts[row]), out_ids[row], texts[row], finish[row] or "length", dict(stats))
+    if stream.device.type == "cuda":
+        stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(stream.device)
+    yield Summary(stats)

@@ -1,76 +1,105 @@
-"""Teacher-forced quality of a cache method against the full cache, on the same tokens.
+"""Teacher-forced quality of a cache method against `full`, on the same tokens, through the engine's `Stream`.
 
-A prefix is prefilled into the method's cache, then the rest of the text is fed `chunk` tokens at a time (1 = as in
-decoding, so decode-time compression is exercised exactly as in generation). At every fed position we keep the log
-probabilities of the next token. Against the full cache on the same text this gives: perplexity, top-1 agreement,
-and mean KL(full || method). It is the measure that a small model's weak reasoning cannot hide.
+A short prompt is prefilled, then a fixed reference text is fed as if it were the model's own output, one token per
+row per step, through the same hooks as generation (`cache.on_step` sees the decoded text, so a method that cuts the
+output into thoughts does so exactly as when it generates). At every fed position we score the next token:
+perplexity of the reference text, top-1 agreement with `full`, and KL(full || method). Rows of a batch are separate
+texts of equal length. It is the measure a small model's weak reasoning cannot hide.
+
+KL is taken over `full`'s `REFERENCE_TOP` most likely tokens plus one bucket for the rest of the vocabulary, so a
+reference keeps a few hundred bytes per position instead of the whole distribution (8k positions x 49k vocab would be
+800 MB a row). Merging tokens into a bucket can only lower a KL, so this is a slight, consistent underestimate.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 
-from kvzip.engine import _sync
+from kvzip.engine import Stream, sync
+
+REFERENCE_TOP = 64  # tokens of full's distribution kept per position for the KL
 
 
 @dataclass
 class Reference:
-    """The full cache's view of a text: greedy next tokens and log-probabilities (fp16 to halve memory)."""
+    """`full`'s view of the fed positions: greedy token and its top tokens with their log-probabilities."""
 
-    ids: torch.Tensor  # (T,) the text
-    prefix: int
-    logprobs: torch.Tensor  # (T - prefix, V) next-token log-probs at positions prefix-1 .. T-2
-    top1: torch.Tensor  # (T - prefix,)
+    top1: torch.Tensor  # (B, T) long
+    top_ids: torch.Tensor  # (B, T, K) long
+    top_logprobs: torch.Tensor  # (B, T, K) float32
+
+
+@dataclass
+class Forced:
+    """What one teacher-forced pass measured: per-position scores (B, T) and the stream's memory report."""
+
+    nll: torch.Tensor  # negative log-likelihood of each reference token
+    top1: torch.Tensor  # the method's greedy token at each position
+    kl: torch.Tensor | None  # KL(full || method) when a reference was given
+    reference: Reference | None  # the pass's own top tokens, kept when asked (the `full` pass)
+    report: dict
+    decode_s: float  # seconds spent in the fed steps (after the prefill)
+
+    def scores(self, ref: Reference) -> dict:
+        """Perplexity, top-1 agreement with `ref` and mean KL over every fed position of every row."""
+        out = {
+            "ppl": round(math.exp(self.nll.mean().item()), 4),
+            "top1_agreement": round((self.top1 == ref.top1).float().mean().item(), 4),
+            "positions": int(self.nll.numel()),
+        }
+        if self.kl is not None:
+            out["kl"] = round(self.kl.mean().item(), 5)
+        return out
+
+
+def _coarse_kl(ref: Reference, j: int, logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(full || method) at position j over full's top tokens plus one bucket for the rest; logprobs (B, V)."""
+    p_top = ref.top_logprobs[:, j].to(logprobs.device)  # (B, K)
+    q_top = logprobs.gather(-1, ref.top_ids[:, j].to(logprobs.device))  # (B, K)
+    rest = lambda lp: torch.log1p(-lp.exp().sum(-1).clamp(max=1 - 1e-6))  # noqa: E731  log of the mass outside
+    p_rest, q_rest = rest(p_top), rest(q_top)
+    kl = (p_top.exp() * (p_top - q_top)).sum(-1) + p_rest.exp() * (p_rest - q_rest)
+    return kl.clamp(min=0)
 
 
 @torch.inference_mode()
-def forced_logprobs(model, ids: torch.Tensor, cache, prefix: int, chunk: int = 1, on_progress=None):
-    """Log-probs (T - prefix, V) of each next token, feeding ids[prefix:] through `cache` `chunk` tokens at a time.
+def teacher_forced(model, tokenizer, cache, prompts: list[list[int]], forced: list[list[int]],
+                   reference: Reference | None = None, keep_reference: bool = False, on_progress=None) -> Forced:
+    """Prefill `prompts` (left-padded), then feed `forced` (B rows of equal length T) one token per step.
 
-    The prefill's last position predicts token `prefix`; every fed chunk predicts the tokens after it.
-    Returns (logprobs, memory-after-last-step, seconds spent in forwards after the prefill).
+    Position j scores forced[:, j] from the logits before it (the prefill's for j = 0). With `reference`, also the
+    KL against it; `keep_reference` keeps this pass's own top tokens (for the `full` pass). on_progress(done, T).
     """
-    import time
-
-    device = model.device
-    ids = ids.to(device)
-    total = ids.shape[0]
-    out = []
-    kwargs = cache.model_kwargs()
-    logits = model(input_ids=ids[None, :prefix], cache=cache, logits_to_keep=1, **kwargs).logits[0, -1:]
-    out.append(torch.log_softmax(logits.float(), -1).half())
-    _sync(device)
+    steps = len(forced[0])
+    if any(len(f) != steps for f in forced):
+        raise ValueError("forced continuations must all have the same length")
+    stream = Stream(model, tokenizer, cache)
+    table = torch.tensor(forced)  # (B, T) on the CPU: each step's tokens go to the device with the step
+    nll, top1, kl, top_ids, top_lp = [], [], [], [], []
+    logits = stream.prefill(prompts)
+    sync(stream.device)
     t0 = time.perf_counter()
-    pos = prefix
-    while pos < total - 1:
-        end = min(pos + chunk, total - 1)
-        positions = torch.arange(pos, end, device=device)[None]
-        logits = model(input_ids=ids[None, pos:end], position_ids=positions, cache=cache, **kwargs).logits[0]
-        out.append(torch.log_softmax(logits.float(), -1).half())
-        pos = end
+    for j in range(steps):
+        logprobs = torch.log_softmax(logits.float(), -1)  # (B, V)
+        target = table[:, j].to(logprobs.device)
+        nll.append(-logprobs.gather(-1, target[:, None]).squeeze(-1).cpu())
+        top1.append(logprobs.argmax(-1).cpu())
+        if reference is not None:
+            kl.append(_coarse_kl(reference, j, logprobs).cpu())
+        if keep_reference:
+            top = logprobs.topk(REFERENCE_TOP, dim=-1)
+            top_ids.append(top.indices.cpu())
+            top_lp.append(top.values.cpu())
         if on_progress is not None:
-            on_progress(end - prefix, total - 1 - prefix)
-    _sync(device)
-    return torch.cat(out).cpu(), cache.memory(), time.perf_counter() - t0
-
-
-def reference(model, ids: torch.Tensor, full_cache, prefix: int, chunk: int = 1, on_progress=None) -> Reference:
-    logprobs, _, _ = forced_logprobs(model, ids, full_cache, prefix, chunk, on_progress)
-    return Reference(ids.cpu(), prefix, logprobs, logprobs.argmax(-1))
-
-
-def compare(ref: Reference, logprobs: torch.Tensor) -> dict:
-    """Perplexity, top-1 agreement with the full cache and mean KL(full || method) over the fed positions."""
-    targets = ref.ids[ref.prefix :]  # token predicted at each position
-    nll = -logprobs.float().gather(-1, targets[:, None]).squeeze(-1)
-    p_full = ref.logprobs.float()
-    kl = (p_full.exp() * (p_full - logprobs.float())).sum(-1)
-    return {
-        "ppl": round(math.exp(nll.mean().item()), 4),
-        "top1_agreement": round((logprobs.argmax(-1) == ref.top1).float().mean().item(), 4),
-        "kl": round(kl.clamp(min=0).mean().item(), 5),
-        "positions": int(targets.shape[0]),
-    }
+            on_progress(j + 1, steps)
+        if j + 1 < steps:
+            logits = stream.step(table[:, j])
+    sync(stream.device)
+    decode_s = time.perf_counter() - t0
+    ref = Reference(torch.stack(top1, 1), torch.stack(top_ids, 1), torch.stack(top_lp, 1)) if keep_reference else None
+    return Forced(torch.stack(nll, 1), torch.stack(top1, 1), torch.stack(kl, 1) if kl else None, ref,
+                  stream.report(), decode_s)

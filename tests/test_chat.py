@@ -96,13 +96,14 @@ def test_stop_request_keeps_partial_answer_and_cache_consistent(tiny, chat_tok):
 def test_method_switch_reprefills_the_same_tokens(tiny, chat_tok):
     s = session(tiny, chat_tok)
     run_turn(s, "a first message that is long enough to overflow a small window")
-    full_bytes = s.snapshot()["kv_bytes"]
+    full_bytes = s.snapshot()["kv_bytes_final"]
     ids, progress = list(s.ids), []
     s.switch(get_method("window", {"sinks": "2", "window": "8"}), progress=lambda d, t: progress.append((d, t)))
     assert s.ids == ids and s.cache.get_seq_length() == len(ids)
     assert progress[-1] == (len(ids), len(ids))
     snap = s.snapshot()
-    assert snap["kv_bytes"] < full_bytes and snap["method_stats"]["evicted_tokens"] > 0
+    assert snap["kv_bytes_final"] < full_bytes and snap["method_stats"]["evicted_tokens"] > 0
+    assert snap["kv_bytes_full"] == full_bytes and snap["kv_ratio_vs_full"] < 1
     assert snap["kv_bytes_fp16_full"] > 0 and snap["kv_ratio_vs_fp16_full"] < 1
     run_turn(s, "more")
     assert s.cache.get_seq_length() == len(s.ids)
@@ -160,6 +161,6 @@ def test_chat_loop_through_stdin(tiny, chat_tok, tiny_dictionaries, tmp_path, mo
     assert all(t["assistant"] == m["content"] for t, m in zip(data["turns"], data["messages"][1::2]))
     assert all(t["assistant"] and t["assistant"] in out for t in data["turns"])  # streamed answers in the transcript
     assert data["stats"]["context_tokens"] == data["turns"][-1]["stats"]["context_tokens"] > 0
-    assert data["stats"]["kv_bytes"] < data["stats"]["kv_bytes_full"]
+    assert data["stats"]["kv_bytes_final"] < data["stats"]["kv_bytes_full"]
     assert s.turns == [] and s.cache.get_seq_length() == 0  # /reset ran before /quit
     assert list(tmp_path.iterdir()) == [saved]  # atomic write left no temporary file

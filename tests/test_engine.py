@@ -29,8 +29,9 @@ def test_every_method_prefills_decodes_and_reports_memory(tiny, tokenizer, reque
     results, events, cache = run(tiny, tokenizer, [prompt(tokenizer, "hello there, tiny model " * 3)], method,
                                  engine.Settings(max_new_tokens=24, ignore_eos=True), dicts)
     assert len(results) == 1 and len(results[0].token_ids) == 24
-    stats = results[0].stats
-    assert stats["kv_bytes"] > 0 and stats["kv_bytes_fp16_full"] > 0
+    assert results[0].stats == {"prompt_tokens": results[0].prompt_tokens, "new_tokens": 24}  # the row's own figures
+    stats = events[-1].stats  # the batch's Summary
+    assert stats["kv_bytes_peak"] > 0 and stats["kv_bytes_fp16_full"] > 0 and stats["kv_bytes_full"] > 0
     assert set(stats["kv_bytes_by_tier"]) == {"device", "codes", "dictionary", "host"}
     assert cache.get_seq_length() == results[0].prompt_tokens + 23  # the last sampled token is never fed
     steps = [e for e in events if isinstance(e, engine.Step)]
@@ -123,7 +124,9 @@ def test_every_method_runs_on_cuda_in_bf16(tokenizer, request, name):
     prompts = [prompt(tokenizer, "hello there, tiny model " * 3), prompt(tokenizer, "short one")]
     results, _, cache = run(model, tokenizer, prompts, method, engine.Settings(max_new_tokens=24, ignore_eos=True), dicts)
     assert [len(r.token_ids) for r in results] == [24, 24]
-    assert results[0].stats["kv_bytes"] > 0 and results[0].stats["cuda_max_memory_allocated"] > 0
+    summary = [e for e in engine.generate(model, tokenizer, prompts, method.make_cache(model, dicts),
+                                          engine.Settings(max_new_tokens=4, ignore_eos=True))][-1]
+    assert summary.stats["kv_bytes_peak"] > 0 and summary.stats["cuda_max_memory_allocated"] > 0
 
 
 @pytest.mark.gpu

@@ -52,9 +52,13 @@ def test_generated_summaries_use_the_marker_span(tiny, tokenizer):
     assert torch.equal(layer.pos[0][torch.isin(layer.pos[0], layer.summary_pos[0][0])], layer.summary_pos[0][0])
 
 
-def test_index_key_is_mean_of_summary_keys_and_detail_is_on_host(tiny, tokenizer):
+@pytest.mark.parametrize("detail, atol, value_bytes", [("host", 1e-5, 4), ("int8", 5e-3, 1)])
+def test_index_key_is_mean_of_summary_keys_and_detail_is_on_host(tiny, tokenizer, detail, atol, value_bytes):
+    """The detail tier holds every thought's K/V off the device: dense copies (detail=host) or int8 with one fp16
+    scale per vector (detail=int8, the default: within the int8 step of the keys, a quarter of fp32's bytes)."""
     text = "one two three four.\n\nfive six seven eight.\n\nnine ten eleven twelve"
-    cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "c": "1", "index_space": "rotated"}), "hello", text)
+    opts = {**SMALL, "c": "1", "index_space": "rotated", "detail": detail}
+    cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", opts), "hello", text)
     full = get_method("full").make_cache(tiny)
     ids = tokenizer("hello")["input_ids"] + tokenizer(text)["input_ids"][1:]
     with torch.inference_mode():
@@ -65,10 +69,11 @@ def test_index_key_is_mean_of_summary_keys_and_detail_is_on_host(tiny, tokenizer
         assert layer0.detail[0][t][0][0].device.type == "cpu"
         hk, hv = layer0._load(0, t)
         assert hk.shape == (2, e - s, 16)
-        assert torch.allclose(hk, ref[0, :, s:e], atol=1e-5)
+        assert torch.allclose(hk, ref[0, :, s:e], atol=atol)
         assert torch.allclose(layer0.index[0][t], ref[0, :, layer0.summary_pos[0][t]].mean(1, keepdim=True), atol=1e-5)
-    detail = sum(2 * (e - s) * 2 * 16 * 4 for s, e in row.thoughts) * len(cache.layers)
-    assert cache.memory()["host"] == detail
+    scales = 0 if detail == "host" else 2  # one fp16 scale per (head, token) vector
+    detail_bytes = sum(2 * (e - s) * 2 * (16 * value_bytes + scales) for s, e in row.thoughts) * len(cache.layers)
+    assert cache.memory()["host"] == detail_bytes
 
 
 def test_content_index_key_is_mean_of_unrotated_summary_keys(tiny, tokenizer):
@@ -85,7 +90,7 @@ def test_content_index_key_is_mean_of_unrotated_summary_keys(tiny, tokenizer):
     assert cache.content_index and len(cache.rows[0].thoughts) >= 2
     for t in range(len(cache.rows[0].thoughts)):
         pos = layer0.summary_pos[0][t]
-        want = unrotate(ref[0][:, pos], pos, cache.rope).mean(1, keepdim=True)
+        want = unrotate(ref[0][:, pos], pos, layer0.rope).mean(1, keepdim=True)
         assert torch.allclose(layer0.index[0][t], want, atol=1e-5)
 
 
@@ -163,7 +168,7 @@ def test_novel_pick_keeps_the_tokens_unlike_the_keys_before_the_thought(tiny):
     a, b, c, d, e, f = (torch.randn(2, 1, 16, generator=g) for _ in range(6))  # content keys (Hkv, 1, d)
     content = torch.cat([a, b, c, d, a, e, b, f], 1)  # prompt: positions 0-3; the thought: 4-7 repeats a and b
     pos = torch.arange(8)
-    rotated = unrotate(content, -pos, cache.rope)  # turning by -pos is RoPE at pos
+    rotated = unrotate(content, -pos, layer.rope)  # turning by -pos is RoPE at pos
     layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
     layer.keys, layer.pos = rotated[None], pos[None]
     score = layer._novelty(0, 4, torch.arange(4, 8))
@@ -274,11 +279,11 @@ def test_fadkv_detail_codes_the_host_tier(tiny, tokenizer, tiny_dictionaries):
 def test_unrotate_inverts_the_models_rope(tiny):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from kvzip.methods.zoomr import rope_frequencies, unrotate
+    from kvzip.rope import layer_ropes, unrotate
 
     x = torch.randn(1, 2, 5, 16)
     pos = torch.tensor([[0, 3, 7, 100, 4000]])
     cos, sin = tiny.model.rotary_emb(x, pos)
     rotated, _ = apply_rotary_pos_emb(x, x, cos, sin)
-    assert torch.allclose(unrotate(rotated, pos[0], rope_frequencies(tiny)), x, atol=1e-4)
+    assert torch.allclose(unrotate(rotated, pos[0], layer_ropes(tiny, "this test")[0]), x, atol=1e-4)
     assert not torch.allclose(rotated, x, atol=1e-2)

@@ -15,19 +15,21 @@ from dataclasses import dataclass, field
 
 from kvzip.errors import UserError
 
-WORKLOADS = ("ppl", "reasoning", "recall", "speed")
+WORKLOADS = ("output", "prompt", "reasoning", "recall", "speed")
 
 
 @dataclass
 class BenchConfig:
-    """Workload sizes. Defaults are the full run (about 15 min per method on a quiet 2-core CPU, most of it the
-    prefills at 8k); `quick_preset()` is the few-minute CPU version of every workload."""
+    """Workload sizes. Defaults are the full run; `quick_preset()` is the few-minute CPU version of every workload."""
 
     workloads: tuple[str, ...] = WORKLOADS
-    ppl_contexts: tuple[int, ...] = (1024, 4096, 8192)  # total tokens per teacher-forced text
-    ppl_positions: int = 256  # scored positions at the end of each text, fed one token at a time
+    output_tokens: tuple[int, ...] = (1024, 4096, 8192)  # teacher-forced output lengths (the quality workload)
+    output_rows: int = 2  # separate texts fed as one batch
+    prompt_contexts: tuple[int, ...] = (1024, 4096, 8192)  # total tokens per prefilled text
+    prompt_positions: int = 256  # scored positions at the end of each prefilled text, fed one token at a time
     reasoning_prompts: int = 8  # GSM8K evaluation problems, greedy
     reasoning_new_tokens: int = 256
+    reasoning_batch: int = 8  # problems generated as one left-padded batch
     recall_trials: int = 8
     recall_facts: int = 4
     recall_filler: int = 600  # tokens of prose between the facts and the question
@@ -38,36 +40,40 @@ class BenchConfig:
     quick: bool = False
 
     def __post_init__(self):
+        if not self.workloads:
+            raise UserError(f"no workload chosen; use some of: {', '.join(WORKLOADS)}")
         for w in self.workloads:
             if w not in WORKLOADS:
                 raise UserError(f"unknown workload '{w}'; use some of: {', '.join(WORKLOADS)}")
-        if not self.workloads:
-            raise UserError(f"--workloads is empty; use some of: {', '.join(WORKLOADS)}")
-        for name in ("ppl_positions", "reasoning_prompts", "reasoning_new_tokens", "recall_trials", "recall_facts",
-                     "speed_new_tokens", "repeats"):
+        for name in ("output_rows", "prompt_positions", "reasoning_prompts", "reasoning_new_tokens", "reasoning_batch",
+                     "recall_trials", "recall_facts", "speed_new_tokens", "repeats"):
             if getattr(self, name) < 1:
-                raise UserError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for ctx in self.ppl_contexts:
-            if ctx <= self.ppl_positions + 1:
-                raise UserError(f"ppl context {ctx} must exceed the {self.ppl_positions} scored positions + 1")
+                raise UserError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
+        if not self.output_tokens or any(n < 2 for n in self.output_tokens):
+            raise UserError(f"output lengths must be at least 2 tokens each, got {list(self.output_tokens)}")
+        for ctx in self.prompt_contexts:
+            if ctx <= self.prompt_positions + 1:
+                raise UserError(f"prompt context {ctx} must exceed the {self.prompt_positions} scored positions + 1")
         if any(c < 16 for c in self.speed_contexts):
             raise UserError("speed contexts must be at least 16 tokens")
 
     @classmethod
     def quick_preset(cls, workloads: tuple[str, ...] = WORKLOADS) -> "BenchConfig":
-        """A small version of every workload: a few minutes for all methods on a loaded 2-core CPU."""
-        return cls(workloads=workloads, ppl_contexts=(640,), ppl_positions=96, reasoning_prompts=2,
-                   reasoning_new_tokens=32, recall_trials=2, recall_filler=120, speed_contexts=(1024,),
-                   speed_new_tokens=16, repeats=1, quick=True)
+        """A small version of every workload: minutes for all methods on a 2-core CPU. The output length is the
+        shortest at which every method's defaults compress (zoomr keeps a 128-token tail plus its zoomed thoughts)."""
+        return cls(workloads=workloads, output_tokens=(768,), output_rows=2, prompt_contexts=(640,),
+                   prompt_positions=96, reasoning_prompts=2, reasoning_new_tokens=32, recall_trials=2,
+                   recall_filler=120, speed_contexts=(1024,), speed_new_tokens=16, repeats=1, quick=True)
 
     def capped(self, max_positions: int | None) -> "BenchConfig":
-        """Contexts capped to the model's window (speed keeps room for the new tokens)."""
+        """Lengths capped to the model's window (room kept for the prompt and the new tokens)."""
         if not max_positions:
             return self
-        ppl = tuple(sorted({min(c, max_positions) for c in self.ppl_contexts}))
-        room = max_positions - self.speed_new_tokens - 1
-        speed = tuple(sorted({min(c, room) for c in self.speed_contexts}))
-        return dataclasses.replace(self, ppl_contexts=ppl, speed_contexts=speed)
+        cap = lambda values, room: tuple(sorted({min(c, room) for c in values}))  # noqa: E731
+        return dataclasses.replace(
+            self, output_tokens=cap(self.output_tokens, max_positions - 128),
+            prompt_contexts=cap(self.prompt_contexts, max_positions),
+            speed_contexts=cap(self.speed_contexts, max_positions - self.speed_new_tokens - 1))
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)

@@ -9,9 +9,9 @@ explanations and GSM8K solutions) as filler, then a question paragraph ("Back to
 The score is likelihood ranking: the trial counts as recalled when the right object is the most likely next token
 among the trial's candidate objects (all single tokens; chance is 1/n_facts).
 
-Feeding goes through `forced_decode`, which mirrors the engine's decode loop (prefill, then per token
-`cache.on_step(ids, texts)` with the decoded text, then a one-token forward) so that thought segmentation runs exactly
-as in generation; trials are rows of one left-padded batch of equal forced length.
+Feeding goes through `forced_decode`, a loop over the engine's `Stream` (prefill, then per token `cache.on_step` with
+the decoded text and a one-token forward), so thought segmentation runs exactly as in generation; trials are rows of
+one left-padded batch of equal forced length.
 
     from kvzip.bench.recall import recall_probe
     recall_probe(model, tokenizer, get_method("zoomr"), n_trials=8)  # {"recall_accuracy": ..., "mean_rank": ..., ...}
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from kvzip.engine import _Detok, _sync, encode
+from kvzip.engine import Stream, encode, sync
 
 COLORS = ["blue", "red", "green", "yellow", "black", "white", "orange", "purple", "brown", "pink", "grey", "silver"]
 OBJECTS = ["apple", "violin", "candle", "tiger", "piano", "lantern", "compass", "river", "hammer", "mirror",
@@ -35,46 +35,26 @@ PROMPT = ("Read my notes about the boxes, think them through paragraph by paragr
 
 @torch.inference_mode()
 def forced_decode(model, tokenizer, cache, prompts: list[list[int]], forced: list[list[int]]):
-    """Prefill `prompts` (left-padded), then feed `forced` (equal lengths T) one token per step, calling on_step.
+    """Prefill `prompts` (left-padded), then feed `forced` (equal lengths T) one token per step through the engine's
+    `Stream` (so `cache.on_step` sees each token's text, as in generation).
 
     Returns (preds (B, T+1) greedy next token at the prefill and after each fed token, last logits (B, V), seconds
-    spent in the decode steps, peak memory by tier).
+    spent in the decode steps, the stream's memory report).
     """
-    device, batch = model.device, len(prompts)
     steps = len(forced[0])
     if any(len(f) != steps for f in forced):
         raise ValueError("forced continuations must all have the same length")
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(batch, width, dtype=torch.long)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    peak: dict[str, int] = {}
-
-    def forward(x, pos):
-        logits = model(input_ids=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                       logits_to_keep=1, **cache.model_kwargs()).logits[:, -1]
-        for k, v in cache.memory().items():
-            peak[k] = max(peak.get(k, 0), v)
-        return logits
-
-    logits = forward(ids, positions)
+    stream = Stream(model, tokenizer, cache)
+    logits = stream.prefill(prompts)
     preds = [logits.argmax(-1)]
-    table = torch.tensor(forced, device=device)  # (B, T)
-    detoks = [_Detok(tokenizer) for _ in prompts]
-    _sync(device)
+    table = torch.tensor(forced)  # (B, T)
+    sync(stream.device)
     t0 = time.perf_counter()
     for j in range(steps):
-        tok = table[:, j]
-        cache.on_step(tok, [d.add(int(t)) for d, t in zip(detoks, tok.tolist())])
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
-        positions = positions[:, -1:] + 1
-        logits = forward(tok[:, None], positions)
+        logits = stream.step(table[:, j])
         preds.append(logits.argmax(-1))
-    _sync(device)
-    return torch.stack(preds, 1).cpu(), logits.float().cpu(), time.perf_counter() - t0, peak
+    sync(stream.device)
+    return torch.stack(preds, 1).cpu(), logits.float().cpu(), time.perf_counter() - t0, stream.report()
 
 
 def _single_token_words(tokenizer, words: list[str]) -> dict[str, int]:
@@ -126,16 +106,18 @@ def recall_probe(model, tokenizer, method, n_trials: int = 8, n_facts: int = 4, 
     "predictions": (n_trials, T+1) greedy next tokens at every fed position (for top-1 agreement against `full`).
     """
     trials = build_trials(tokenizer, n_trials, n_facts, filler_tokens, seed)
-    hits, ranks, margins, device, host, seconds, steps, preds = [], [], [], [], [], 0.0, 0, []
+    hits, ranks, margins, device, host, full, total, seconds, steps, preds = [], [], [], [], [], [], [], 0.0, 0, []
     for start in range(0, n_trials, batch_size):
         chunk = trials[start : start + batch_size]
         cache = method.make_cache(model, dictionaries)
-        pred, logits, secs, peak = forced_decode(model, tokenizer, cache, [t["prompt"] for t in chunk],
+        pred, logits, secs, report = forced_decode(model, tokenizer, cache, [t["prompt"] for t in chunk],
                                               [t["forced"] for t in chunk])
         preds.append(pred)
         seconds, steps = seconds + secs, steps + len(chunk[0]["forced"])
-        device.append(peak.get("on_device", 0) / len(chunk))
-        host.append(peak.get("host", 0) / len(chunk))
+        device.append(report["kv_bytes_device_peak"] / len(chunk))
+        host.append(report["kv_bytes_host_peak"] / len(chunk))
+        full.append(report["kv_bytes_full"] / len(chunk))
+        total.append(report["kv_bytes_peak"] / len(chunk))
         logprobs = logits.log_softmax(-1)
         for row, t in enumerate(chunk):
             scores = logprobs[row, t["candidates"]]  # (n_facts,)
@@ -156,5 +138,7 @@ def recall_probe(model, tokenizer, method, n_trials: int = 8, n_facts: int = 4, 
         "prompt_tokens": len(trials[0]["prompt"]),
         "device_bytes_per_row": int(sum(device) / len(device)),
         "host_bytes_per_row": int(sum(host) / len(host)),
+        "total_bytes_per_row": int(sum(total) / len(total)),
+        "full_bytes_per_row": int(sum(full) / len(full)),
         "seconds_per_token": round(seconds / max(steps, 1), 4),
     }

@@ -21,11 +21,14 @@ class Column:
 
 
 COLUMNS = [
-    Column("kv_ratio", "KV/fp16", "ppl", "kv_ratio_vs_full_fp16", "min", "{:.3f}"),
-    Column("kv_peak", "KV peak", "ppl", "kv_bytes_peak", "min", "bytes"),
-    Column("top1", "top-1", "ppl", "top1_agreement", "max"),
-    Column("ppl", "ppl", "ppl", "ppl", "min", "{:.2f}"),
-    Column("kl", "KL", "ppl", "kl", "min", "{:.4f}"),
+    Column("kv_ratio", "KV/full", "output", "kv_ratio_vs_full", "min", "{:.3f}"),
+    Column("kv_device_ratio", "device/full", "output", "kv_device_ratio_vs_full", "min", "{:.3f}"),
+    Column("kv_fp16_ratio", "KV/fp16", "output", "kv_ratio_vs_fp16_full", "min", "{:.3f}"),
+    Column("kv_peak", "KV peak", "output", "kv_bytes_peak", "min", "bytes"),
+    Column("top1", "top-1", "output", "top1_agreement", "max"),
+    Column("ppl", "ppl", "output", "ppl", "min", "{:.2f}"),
+    Column("kl", "KL", "output", "kl", "min", "{:.4f}"),
+    Column("prompt_top1", "prompt top-1", "prompt", "top1_agreement", "max"),
     Column("greedy", "greedy agr", "reasoning", "greedy_agreement", "max"),
     Column("gsm8k", "GSM8K acc", "reasoning", "gsm8k_accuracy", "max", "{:.2f}"),
     Column("recall", "recall", "recall", "recall_accuracy", "max", "{:.2f}"),
@@ -34,8 +37,9 @@ COLUMNS = [
     Column("ttft", "ttft s", "speed", "ttft_s", "min", "{:.2f}"),
 ]
 
-# Where the memory columns come from when `ppl` was not run.
-MEMORY_FALLBACK = ("ppl", "reasoning", "speed", "recall")
+# Where the memory columns come from when `output` was not run.
+MEMORY_KEYS = ("kv_ratio", "kv_device_ratio", "kv_fp16_ratio", "kv_peak")
+MEMORY_FALLBACK = ("output", "reasoning", "speed", "recall", "prompt")
 
 
 def summary_rows(data: dict) -> list[dict]:
@@ -49,7 +53,7 @@ def summary_rows(data: dict) -> list[dict]:
         row = {"label": label}
         for c in COLUMNS:
             source = c.workload
-            if c.key in ("kv_ratio", "kv_peak") and (label, source) not in by:
+            if c.key in MEMORY_KEYS and (label, source) not in by:
                 source = next((w for w in MEMORY_FALLBACK if (label, w) in by), source)
             row[c.key] = by.get((label, source), {}).get(c.field)
         rows.append(row)
@@ -89,7 +93,8 @@ def quality_points(rows: list[dict]) -> list[tuple[str, float, float]]:
 
 
 def plot(data: dict, path, title: str | None = None) -> list[str]:
-    """Quality (top-1 agreement with full) vs KV memory (ratio to the fp16 full cache), Pareto front drawn.
+    """Quality (top-1 agreement with full on the output workload) vs KV memory (peak bytes, all tiers, over full's
+    bytes for the same tokens in the same dtype), Pareto front drawn.
 
     Writes a PNG to `path` and returns the front's labels. Raises ValueError when there is nothing to plot.
     """
@@ -100,7 +105,7 @@ def plot(data: dict, path, title: str | None = None) -> list[str]:
 
     points = quality_points(summary_rows(data))
     if not points:
-        raise ValueError("the plot needs the ppl workload (top-1 agreement and KV ratio)")
+        raise ValueError("the plot needs the output workload (top-1 agreement and KV ratio)")
     front = pareto_front(points)
     fig, ax = plt.subplots(figsize=(7, 4.8), dpi=120)
     xs, ys = [p[1] for p in points], [p[2] for p in points]
@@ -120,8 +125,8 @@ def plot(data: dict, path, title: str | None = None) -> list[str]:
     fy = [next(p[2] for p in points if p[0] == label) for label in front]
     ax.step(fx, fy, where="post", color="tab:red", alpha=0.6, label="Pareto front")
     env = data.get("environment", {})
-    ax.set_xlabel("KV cache bytes (peak) / fp16 full cache")
-    ax.set_ylabel("teacher-forced top-1 agreement with full")
+    ax.set_xlabel("KV cache bytes, all tiers (peak) / full cache, same dtype and tokens")
+    ax.set_ylabel("teacher-forced top-1 agreement with full (long output)")
     quick = " · quick" if data.get("config", {}).get("quick") else ""
     ax.set_title(title or f"kvzip bench · {env.get('model', '')} · {env.get('device', '')}{quick} · "
                           f"{env.get('date', '')[:10]}", fontsize=10)

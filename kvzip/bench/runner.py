@@ -53,8 +53,26 @@ def _ratios(results: list[dict]) -> None:
             e["speed_ratio_vs_full"] = round(mine / theirs, 3) if mine and theirs else None
 
 
+def _commit() -> str | None:
+    """The git commit of the checkout kvzip runs from (with "-dirty" when files differ), or None outside one."""
+    import subprocess
+    from pathlib import Path
+
+    top = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(top), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(top), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def environment(model, source) -> dict:
     return {
+        "commit": _commit(),
         "model": source.name,
         "model_path": str(getattr(source, "path", "")),
         "device": str(model.device),
@@ -83,9 +101,6 @@ def run_bench(model, tokenizer, source, settings: list[Setting], cfg: BenchConfi
     env = environment(model, source)
     skipped, failed, results, ready = [], [], [], []
     wanted = list(cfg.workloads)
-    if "recall" in wanted and not workloads.recall_available():
-        skipped.append({"label": "*", "workload": "recall", "reason": "kvzip.bench.recall is not installed here"})
-        wanted.remove("recall")
     for s in settings:
         try:
             ready.append((s, *_prepare(s, model, source, dict_path)))
@@ -94,11 +109,11 @@ def run_bench(model, tokenizer, source, settings: list[Setting], cfg: BenchConfi
                 raise
             skipped.append({"label": s.label, "method": s.name, "reason": str(exc)})
 
-    total = sum(workloads.units(cfg, w) for w in wanted) * len(ready)
+    total = sum(workloads.units(cfg, w) for s, m, _ in ready for w in wanted if not (w == "prompt" and m.keeps_prompt))
     ctx = workloads.Context(model, tokenizer, cfg)
     interrupted = False
     try:
-        _measure_all(ready, wanted, cfg, ctx, results, failed, total, on_progress)
+        _measure_all(ready, wanted, cfg, ctx, results, failed, skipped, total, on_progress)
     except KeyboardInterrupt:  # Ctrl-C (or `timeout -s INT`): keep every record finished so far
         interrupted = True
     _ratios(results)
@@ -119,13 +134,17 @@ def run_bench(model, tokenizer, source, settings: list[Setting], cfg: BenchConfi
     }
 
 
-def _measure_all(ready, wanted, cfg, ctx, results, failed, total, on_progress) -> None:
-    """Every (setting, workload) pair in order, appending to `results` / `failed` as each one ends."""
+def _measure_all(ready, wanted, cfg, ctx, results, failed, skipped, total, on_progress) -> None:
+    """Every (setting, workload) pair in order, appending to `results` / `failed` / `skipped` as each one ends."""
     model = ctx.model
     done = 0
     for setting, method, dictionaries in ready:
         for w in wanted:
             description = f"{setting.label} · {w}"
+            if w == "prompt" and method.keeps_prompt:
+                skipped.append({"label": setting.label, "method": setting.name, "workload": w,
+                                "reason": "keeps the prompt in full by design: the output workload measures it"})
+                continue
 
             def tick(n=1, description=description):
                 nonlocal done

@@ -1,26 +1,26 @@
-"""The four bench workloads, each run for one method setting against `full`'s figures from the same run.
+"""The bench workloads, each run for one method setting against `full`'s figures from the same run.
 
-- `ppl`: teacher-forced on held-out prose (`kvzip.data.evaluation_prose`, disjoint from dictionary calibration) via
-  `kvzip.evaluate`: perplexity, next-token top-1 agreement with `full`, mean KL(full || method), per context length.
-- `reasoning`: greedy generation on GSM8K evaluation problems through the engine.
-  `greedy_agreement`: positions where the method's token equals `full`'s, over max(len full, len method) (a missing
-  token counts as a mismatch), averaged over prompts. Tokens after a first divergence rarely line up again, so this
-  is close to `greedy_prefix_agreement`: the common prefix length over `full`'s length. `gsm8k_accuracy`: the answer
-  parsed from `#### N`, else the last number, equals the reference (meaningful only for a model that can solve GSM8K).
-- `recall`: `kvzip.bench.recall.recall_probe` (facts early, question late, likelihood-ranked), when that module exists.
-- `speed`: prefill and decode on prose at each context: time to first token, prefill tok/s, decode tok/s as
-  decode steps over their total time (so work a method does every few tokens, such as fadkv coding a chunk or zoomr
-  closing a thought, is counted; a median step would hide it), the median over `repeats` runs after a warm-up. Each
-  repeat is paired with a `full` run right after it; speed_ratio_vs_full is the median of the paired ratios.
+- `output` (the quality workload for every method): teacher forcing of a long *output*. After a short chat prompt,
+  held-out text (`kvzip.data.evaluation_prose`, disjoint from dictionary calibration) is fed as the model's own
+  answer, one token per row per step, through the same hooks as generation (`kvzip.evaluate.teacher_forced`):
+  perplexity, top-1 agreement and KL against `full` over every fed position, and KV bytes by tier at the end. Rows
+  are separate texts, batched. This is what both papers compress: a cache's cost grows with what the model writes.
+- `prompt`: the text prefilled as a *prompt*, then its last positions fed one by one: prompt compression. Methods
+  that keep the prompt in full by design (`Method.keeps_prompt`: zoomr, sumr) are skipped here with that reason.
+- `reasoning`: greedy generation on GSM8K evaluation problems through the engine: greedy agreement with `full`
+  and accuracy (meaningful only for a model that can solve GSM8K).
+- `recall`: `kvzip.bench.recall.recall_probe` (facts early, question late, likelihood-ranked).
+- `speed`: prefill and decode on prose at each context: time to first token, decode tok/s as decode steps over their
+  total time (work a method does every few tokens is counted), each repeat paired with a `full` run right after it;
+  speed_ratio_vs_full is the median of the paired ratios.
 
-Every workload returns a record dict with kv_bytes_peak, kv_bytes_device_peak, kv_ratio_vs_full_fp16 (peak bytes over
-the fp16 full cache's bytes for the same tokens), decode_tokens_per_s and its quality fields. When several contexts
-are measured, the headline fields are the longest context's and `by_context` holds each.
+Every record carries the engine's memory report (`kv_report`): kv_bytes_peak (all tiers), kv_bytes_device_peak,
+kv_bytes_full (what `full` holds for the same tokens in the same dtype), kv_bytes_fp16_full and their ratios.
+When several lengths are measured, the headline fields are the longest one's and `by_context` holds each.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvzip import engine, evaluate
+
+OUTPUT_PROMPT = "Work through the following problems and explanations step by step, one paragraph per step."
 
 
 @dataclass
@@ -41,66 +43,58 @@ class Context:
     ref: dict = field(default_factory=dict)  # filled while `full` runs, read by every other setting
     _prose: list | None = None
 
-    def prose(self, n: int) -> list[int]:
+    def prose(self, n: int, offset: int = 0) -> list[int]:
+        """n tokens of held-out prose starting `offset` tokens in (rows use disjoint offsets)."""
         if self._prose is None:
             from kvzip.data import evaluation_prose
 
-            limit = max((*self.cfg.ppl_contexts, *self.cfg.speed_contexts, 1024)) * 8  # characters, ample for n tokens
-            self._prose = self.tokenizer(evaluation_prose()[:limit])["input_ids"]
-        if len(self._prose) < n:
-            raise ValueError(f"held-out prose has {len(self._prose)} tokens, {n} needed")
-        return self._prose[:n]
+            self._prose = self.tokenizer(evaluation_prose(), add_special_tokens=False)["input_ids"]
+        if len(self._prose) < offset + n:
+            raise ValueError(f"held-out prose has {len(self._prose)} tokens, {offset + n} needed")
+        return self._prose[offset : offset + n]
 
-
-class Peak:
-    """Peak of a cache's memory report over the steps of one measurement."""
-
-    def __init__(self):
-        self.total = self.device = self.fp16 = 0
-        self.last: dict = {}
-
-    def see(self, mem: dict) -> None:
-        self.total = max(self.total, mem.get("total", 0))
-        self.device = max(self.device, mem.get("on_device", 0))
-        self.fp16 = max(self.fp16, mem.get("fp16_full", 0))
-        self.last = mem
-
-    def fields(self) -> dict:
-        return {
-            "kv_bytes_peak": self.total,
-            "kv_bytes_device_peak": self.device,
-            "kv_bytes_final": self.last.get("total", 0),
-            "kv_bytes_by_tier": {k: self.last.get(k, 0) for k in ("device", "codes", "dictionary", "host")},
-            "kv_bytes_fp16_full": self.fp16,
-            "kv_ratio_vs_full_fp16": round(self.total / self.fp16, 4) if self.fp16 else None,
-        }
+    def chat_prompt(self, text: str) -> list[int]:
+        return engine.encode(self.tokenizer, text, raw=self.tokenizer.chat_template is None)
 
 
 def _headline(by_context: list[dict]) -> dict:
     return {**by_context[-1], "by_context": by_context}
 
 
-def ppl(ctx: Context, label: str, method, dictionaries) -> dict:
-    runs = []
-    for length in ctx.cfg.ppl_contexts:
-        ids = torch.tensor(ctx.prose(length))
-        prefix = length - ctx.cfg.ppl_positions
-        cache = method.make_cache(ctx.model, dictionaries)
-        peak = Peak()
+def _forced(ctx: Context, label: str, key, method, dictionaries, prompts, forced) -> dict:
+    """One teacher-forced pass; `full`'s pass is kept as the reference under `key` for every later setting."""
+    cache = method.make_cache(ctx.model, dictionaries)
+    ref = ctx.ref.get(key)
+    run = evaluate.teacher_forced(ctx.model, ctx.tokenizer, cache, prompts, forced, reference=ref,
+                                  keep_reference=label == "full", on_progress=lambda done, total: ctx.tick(1))
+    if label == "full":
+        ctx.ref[key] = ref = run.reference
+    fed = run.nll.numel() - len(prompts)
+    scores = run.scores(ref)
+    if label == "full":
+        scores["kl"] = 0.0  # the reference itself
+    return {**scores, **run.report,
+            "decode_tokens_per_s": round(fed / run.decode_s, 3) if run.decode_s > 0 else None, "rows": len(prompts)}
 
-        def on_progress(done, total, cache=cache, peak=peak):
-            peak.see(cache.memory())
-            ctx.tick(1)
 
-        logprobs, mem, seconds = evaluate.forced_logprobs(ctx.model, ids, cache, prefix, 1, on_progress)
-        peak.see(mem)
-        if label == "full":
-            ctx.ref.setdefault("ppl", {})[length] = evaluate.Reference(ids, prefix, logprobs, logprobs.argmax(-1))
-        quality = evaluate.compare(ctx.ref["ppl"][length], logprobs)
-        fed = length - 1 - prefix
-        runs.append({"context": length, **quality, **peak.fields(),
-                     "decode_tokens_per_s": round(fed / seconds, 3) if seconds > 0 else None,
-                     "method_stats": cache.stats()})
+def output(ctx: Context, label: str, method, dictionaries) -> dict:
+    cfg, runs = ctx.cfg, []
+    prompt = ctx.chat_prompt(OUTPUT_PROMPT)
+    longest = max(cfg.output_tokens)
+    for length in cfg.output_tokens:
+        forced = [ctx.prose(length, row * longest) for row in range(cfg.output_rows)]
+        record = _forced(ctx, label, ("output", length), method, dictionaries, [prompt] * cfg.output_rows, forced)
+        runs.append({"context": length, "prompt_tokens": len(prompt), **record})
+    return _headline(runs)
+
+
+def prompt(ctx: Context, label: str, method, dictionaries) -> dict:
+    cfg, runs = ctx.cfg, []
+    for length in cfg.prompt_contexts:
+        ids = ctx.prose(length)
+        prefix = length - cfg.prompt_positions
+        record = _forced(ctx, label, ("prompt", length), method, dictionaries, [ids[:prefix]], [ids[prefix:]])
+        runs.append({"context": length, **record})
     return _headline(runs)
 
 
@@ -133,91 +127,88 @@ def agreement(full: list[int], other: list[int]) -> tuple[float, float]:
     return same / n, (prefix / len(full) if full else float(not other))
 
 
+def _run_generate(ctx: Context, method, dictionaries, prompts: list[list[int]], settings) -> tuple[list, dict, list]:
+    """(Results, the batch Summary's stats, seconds of each decode step) of one engine run, ticking per step."""
+    cache = method.make_cache(ctx.model, dictionaries)
+    results, summary, steps, last = [], {}, [], 0.0
+    for event in engine.generate(ctx.model, ctx.tokenizer, prompts, cache, settings):
+        if isinstance(event, engine.Step):
+            if event.step > 0:
+                steps.append(event.elapsed_s - last)
+                ctx.tick(1)
+            last = event.elapsed_s
+        elif isinstance(event, engine.Result):
+            results.append(event)
+        elif isinstance(event, engine.Summary):
+            summary = event.stats
+    return results, summary, steps
+
+
 def reasoning(ctx: Context, label: str, method, dictionaries) -> dict:
     from kvzip.data import gsm8k
 
-    problems = gsm8k("evaluation")[: ctx.cfg.reasoning_prompts]
-    raw = ctx.tokenizer.chat_template is None
-    settings = engine.Settings(max_new_tokens=ctx.cfg.reasoning_new_tokens)
-    outputs, steps, peaks, stats = [], [], Peak(), []
-    for p in problems:
-        prompt = f"{p['question']}\nSolve it step by step, then give the final number after '####'."
-        ids = engine.encode(ctx.tokenizer, prompt, raw=raw)
-        cache = method.make_cache(ctx.model, dictionaries)
-        last, ticks = 0.0, 0
-        for event in engine.generate(ctx.model, ctx.tokenizer, [ids], cache, settings):
-            if isinstance(event, engine.Step):
-                peaks.see(event.memory)
-                if event.step > 0:
-                    steps.append(event.elapsed_s - last)
-                last = event.elapsed_s
-                ctx.tick(1)
-                ticks += 1
-            elif isinstance(event, engine.Result):
-                outputs.append(event)
-                stats.append(event.stats["method_stats"])
-        ctx.tick(max(ctx.cfg.reasoning_new_tokens - ticks, 0))
+    cfg = ctx.cfg
+    problems = gsm8k("evaluation")[: cfg.reasoning_prompts]
+    settings = engine.Settings(max_new_tokens=cfg.reasoning_new_tokens)
+    outputs, summaries, steps = [], [], []
+    for start in range(0, len(problems), cfg.reasoning_batch):
+        chunk = problems[start : start + cfg.reasoning_batch]
+        prompts = [ctx.chat_prompt(f"{p['question']}\nSolve it step by step, then give the final number after '####'.")
+                   for p in chunk]
+        results, summary, times = _run_generate(ctx, method, dictionaries, prompts, settings)
+        outputs += results
+        summaries.append(summary)
+        steps += times
     tokens = [r.token_ids for r in outputs]
     if label == "full":
         ctx.ref["reasoning"] = tokens
     pairs = [agreement(f, m) for f, m in zip(ctx.ref["reasoning"], tokens)]
     answers = [parse_answer(r.text) for r in outputs]
     correct = [same_number(a, p["number"]) for a, p in zip(answers, problems)]
+    peak = max(summaries, key=lambda s: s["kv_bytes_peak"])  # the batch that held the most
+    n = len(correct)
+    acc = sum(correct) / n
+    half = 1.96 * (acc * (1 - acc) / n) ** 0.5 if n else 0.0  # normal-approximation 95% interval
     return {
         "greedy_agreement": round(sum(a for a, _ in pairs) / len(pairs), 4),
         "greedy_prefix_agreement": round(sum(b for _, b in pairs) / len(pairs), 4),
-        "gsm8k_accuracy": round(sum(correct) / len(correct), 4),
-        **peaks.fields(),
-        "decode_tokens_per_s": round(1 / statistics.median(steps), 3) if steps else None,
-        "prompts": len(problems),
+        "gsm8k_accuracy": round(acc, 4),
+        "gsm8k_accuracy_95ci": [round(max(acc - half, 0.0), 4), round(min(acc + half, 1.0), 4)],
+        **{k: v for k, v in peak.items() if k.startswith("kv_")},
+        "decode_tokens_per_s": round(sum(len(t) for t in tokens) / sum(steps), 3) if steps else None,
+        "prompts": n,
         "new_tokens": sum(len(t) for t in tokens),
         "answers": [{"index": p["index"], "expected": p["number"], "parsed": a} for p, a in zip(problems, answers)],
-        "method_stats": stats[-1] if stats else {},
+        "method_stats": peak.get("method_stats", {}),
     }
-
-
-def recall_available() -> bool:
-    return importlib.util.find_spec("kvzip.bench.recall") is not None
 
 
 def recall(ctx: Context, label: str, method, dictionaries) -> dict:
     from kvzip.bench.recall import recall_probe
-    from kvzip.methods.base import model_layout
 
     cfg = ctx.cfg
     out = recall_probe(ctx.model, ctx.tokenizer, method, n_trials=cfg.recall_trials, n_facts=cfg.recall_facts,
                        filler_tokens=cfg.recall_filler, seed=cfg.seed, batch_size=cfg.recall_trials,
                        dictionaries=dictionaries)
     ctx.tick(recall_units(cfg))
-    layers, heads, head_dim = model_layout(ctx.model)
-    tokens = out["prompt_tokens"] + out["forced_tokens"]
-    fp16 = 2 * layers * heads * head_dim * 2 * tokens  # per row, as the probe reports its bytes per row
-    peak = out["device_bytes_per_row"] + out["host_bytes_per_row"]
+    full = out["full_bytes_per_row"]
+    ratio = lambda n: round(n / full, 4) if full else None  # noqa: E731
     return {
         **out,
-        "kv_bytes_peak": peak,
+        "kv_bytes_peak": out["total_bytes_per_row"],
         "kv_bytes_device_peak": out["device_bytes_per_row"],
-        "kv_bytes_fp16_full": fp16,
-        "kv_ratio_vs_full_fp16": round(peak / fp16, 4),
+        "kv_bytes_full": full,
+        "kv_ratio_vs_full": ratio(out["total_bytes_per_row"]),
+        "kv_device_ratio_vs_full": ratio(out["device_bytes_per_row"]),
         # one step feeds one token to every trial row at once: rows / seconds per step
         "decode_tokens_per_s": round(cfg.recall_trials / out["seconds_per_token"], 3) if out["seconds_per_token"] else None,
     }
 
 
-def _timed_generate(ctx: Context, method, dictionaries, ids: list[int], settings, peak: Peak | None = None):
-    """(ttft seconds, decode tok/s as steps / their total time, method stats) of one generation."""
-    cache = method.make_cache(ctx.model, dictionaries)
-    steps, last, ttft, stats = [], 0.0, 0.0, {}
-    for event in engine.generate(ctx.model, ctx.tokenizer, [ids], cache, settings):
-        if isinstance(event, engine.Step):
-            if peak is not None:
-                peak.see(event.memory)
-            if event.step > 0:
-                steps.append(event.elapsed_s - last)
-            last = event.elapsed_s
-        elif isinstance(event, engine.Result):
-            ttft, stats = event.stats["ttft_s"], event.stats["method_stats"]
-    return ttft, len(steps) / sum(steps), stats
+def _timed(ctx: Context, method, dictionaries, ids: list[int], settings) -> tuple[float, float, dict]:
+    """(ttft seconds, decode tok/s as steps over their total time, the Summary's stats) of one generation."""
+    _, summary, steps = _run_generate(ctx, method, dictionaries, [ids], settings)
+    return summary["ttft_s"], len(steps) / sum(steps), summary
 
 
 def speed(ctx: Context, label: str, method, dictionaries) -> dict:
@@ -234,22 +225,24 @@ def speed(ctx: Context, label: str, method, dictionaries) -> dict:
     runs = []
     for length in cfg.speed_contexts:
         ids = ctx.prose(length)
-        ttfts, rates, ratios, ttft_ratios, peak, stats = [], [], [], [], Peak(), {}
+        ttfts, rates, ratios, ttft_ratios, summary = [], [], [], [], {}
         for _ in range(cfg.repeats):
-            ttft, rate, stats = _timed_generate(ctx, method, dictionaries, ids, settings, peak)
+            ttft, rate, summary = _timed(ctx, method, dictionaries, ids, settings)
             ttfts.append(ttft)
             rates.append(rate)
             if label != "full":
-                full_ttft, full_rate, _ = _timed_generate(ctx, full, None, ids, settings)
+                full_ttft, full_rate, _ = _timed(ctx, full, None, ids, settings)
                 ratios.append(rate / full_rate)
                 ttft_ratios.append(ttft / full_ttft)
-            ctx.tick(speed_units_one(length, cfg))
+            ctx.tick(length // 50)
         ttft = statistics.median(ttfts)
         runs.append({"context": length, "ttft_s": round(ttft, 4), "prefill_tokens_per_s": round(length / ttft, 2),
                      "decode_tokens_per_s": round(statistics.median(rates), 3), "repeats": cfg.repeats,
                      "speed_ratio_vs_full": round(statistics.median(ratios), 3) if ratios else 1.0,
+                     "paired_speed_ratios": [round(r, 4) for r in ratios],
                      "ttft_ratio_vs_full": round(statistics.median(ttft_ratios), 3) if ttft_ratios else 1.0,
-                     **peak.fields(), "method_stats": stats})
+                     **{k: v for k, v in summary.items() if k.startswith("kv_")},
+                     "method_stats": summary.get("method_stats", {})})
     return _headline(runs)
 
 
@@ -257,19 +250,18 @@ def recall_units(cfg) -> int:
     return cfg.recall_filler + 60  # the trials are fed as one batch: one step per forced token
 
 
-def speed_units_one(length: int, cfg) -> int:
-    return 2 * (length // 50 + cfg.speed_new_tokens)  # the method and its paired full run
-
-
 def units(cfg, workload: str) -> int:
     """Rough cost of one workload for one setting, in decode-step equivalents: what the progress bar counts."""
-    if workload == "ppl":
-        return len(cfg.ppl_contexts) * (cfg.ppl_positions - 1)
+    if workload == "output":
+        return sum(cfg.output_tokens)
+    if workload == "prompt":
+        return len(cfg.prompt_contexts) * cfg.prompt_positions
     if workload == "reasoning":
-        return cfg.reasoning_prompts * cfg.reasoning_new_tokens
+        return cfg.reasoning_prompts * cfg.reasoning_new_tokens // max(cfg.reasoning_batch, 1)
     if workload == "recall":
         return recall_units(cfg)
-    return sum(speed_units_one(c, cfg) for c in cfg.speed_contexts) * cfg.repeats
+    per = sum(c // 50 + cfg.speed_new_tokens for c in cfg.speed_contexts)
+    return 2 * per * cfg.repeats  # the method and its paired full run
 
 
-RUNNERS = {"ppl": ppl, "reasoning": reasoning, "recall": recall, "speed": speed}
+RUNNERS = {"output": output, "prompt": prompt, "reasoning": reasoning, "recall": recall, "speed": speed}

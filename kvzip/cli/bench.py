@@ -38,14 +38,18 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _config(quick: bool, workloads: str | None, contexts: str | None, prompts: int | None, new_tokens: int | None,
-            repeats: int | None):
+            repeats: int | None, output_tokens: str | None = None, rows: int | None = None):
     from kvzip.bench import WORKLOADS, BenchConfig
 
     chosen = tuple(w.strip() for w in workloads.split(",") if w.strip()) if workloads else WORKLOADS
     cfg = BenchConfig.quick_preset(chosen) if quick else BenchConfig(workloads=chosen)
     changes = {}
     if contexts:
-        changes["ppl_contexts"] = changes["speed_contexts"] = _ints(contexts, "--contexts")
+        changes["prompt_contexts"] = changes["speed_contexts"] = _ints(contexts, "--contexts")
+    if output_tokens:
+        changes["output_tokens"] = _ints(output_tokens, "--output-tokens")
+    if rows is not None:
+        changes["output_rows"] = rows
     if prompts is not None:
         changes["reasoning_prompts"] = prompts
     if new_tokens is not None:
@@ -92,11 +96,13 @@ def bench(
     methods: Annotated[Optional[str], typer.Option("--methods", help="Comma-separated methods (default: all registered; full always runs).")] = None,
     opt: Annotated[Optional[list[str]], typer.Option("--opt", help="method.key=value for a method in --methods, repeatable.")] = None,
     method_set: Annotated[Optional[list[str]], typer.Option("--method-set", help='One more setting, "method:key=value,key=value", repeatable.')] = None,
-    workloads: Annotated[Optional[str], typer.Option("--workloads", help="Comma-separated: ppl, reasoning, recall, speed (default: all).")] = None,
-    contexts: Annotated[Optional[str], typer.Option("--contexts", help="Context lengths for ppl and speed, e.g. 1024,4096.")] = None,
-    prompts: Annotated[Optional[int], typer.Option("--prompts", help="GSM8K problems for the reasoning workload.")] = None,
-    new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", help="Greedy tokens per reasoning problem.")] = None,
-    repeats: Annotated[Optional[int], typer.Option("--repeats", help="Speed measurements per context (median reported).")] = None,
+    workloads: Annotated[Optional[str], typer.Option("--workloads", help="Comma-separated: output, prompt, reasoning, recall, speed (default: all).")] = None,
+    output_tokens: Annotated[Optional[str], typer.Option("--output-tokens", help="Teacher-forced output lengths of the output workload, e.g. 1024,4096 (default 1024,4096,8192; --quick 768).")] = None,
+    rows: Annotated[Optional[int], typer.Option("--rows", help="Texts fed as one batch in the output workload (default 2).")] = None,
+    contexts: Annotated[Optional[str], typer.Option("--contexts", help="Context lengths for prompt and speed, e.g. 1024,4096 (default 1024,4096,8192; --quick 640 for prompt, 1024 for speed).")] = None,
+    prompts: Annotated[Optional[int], typer.Option("--prompts", help="GSM8K problems for the reasoning workload (default 8; --quick 2).")] = None,
+    new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", help="Greedy tokens per reasoning problem (default 256; --quick 32).")] = None,
+    repeats: Annotated[Optional[int], typer.Option("--repeats", help="Paired speed measurements per context, median reported (default 2; --quick 1).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the resolved config and every figure here (atomic).")] = None,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="PNG: top-1 agreement vs KV memory, Pareto front drawn.")] = None,
     model: Model = "smollm2-135m",
@@ -110,12 +116,12 @@ def bench(
     from kvzip.methods import METHODS
 
     settings = parse_settings(methods, opt, method_set, list(METHODS))
-    cfg = _config(quick, workloads, contexts, prompts, new_tokens, repeats)
+    cfg = _config(quick, workloads, contexts, prompts, new_tokens, repeats, output_tokens, rows)
     if plot_path is not None:
         if plot_path.suffix.lower() != ".png":
             raise UserError(f"--plot writes a PNG: give a path ending in .png, got {plot_path}")
-        if "ppl" not in cfg.workloads:
-            raise UserError("--plot needs the ppl workload (top-1 agreement vs KV memory): add ppl to --workloads")
+        if "output" not in cfg.workloads:
+            raise UserError("--plot needs the output workload (top-1 agreement vs KV memory): add output to --workloads")
         try:
             import matplotlib  # noqa: F401
         except ImportError:

@@ -34,15 +34,25 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def kv_text(stats: dict) -> str:
+    """KV bytes against `full` for the same tokens in the same dtype (device and all tiers apart), then against fp16."""
+    full, fp16 = stats.get("kv_bytes_full", 0), stats.get("kv_bytes_fp16_full", 0)
+    total, device = stats.get("kv_bytes_peak", 0), stats.get("kv_bytes_device_peak", 0)
+    if not full:
+        return "KV: no tokens yet"
+    text = f"KV peak {human_bytes(total)} = {total / full:.2f}x full"
+    if device != total:
+        text += f" (device {human_bytes(device)} = {device / full:.2f}x)"
+    if fp16 and fp16 != full:
+        text += f", {total / fp16:.2f}x an fp16 full cache"
+    return text
+
+
 def summary_line(stats: dict) -> str:
-    """tokens, speed and KV memory against the fp16 full cache, in one line."""
-    full = stats.get("kv_bytes_fp16_full", 0)
-    ratio = f" ({stats['kv_bytes_final'] / full:.1%} of fp16 full {human_bytes(full)})" if full else ""
-    host = f", host {human_bytes(stats['kv_bytes_host'])}" if stats.get("kv_bytes_host") else ""
+    """tokens, speed and KV memory against full, in one line."""
     return (
         f"{stats['prompt_tokens']} prompt + {stats['new_tokens']} new tokens | ttft {stats['ttft_s']:.2f}s | "
-        f"decode {stats['decode_tokens_per_s']:.1f} tok/s | KV {human_bytes(stats['kv_bytes_final'])}{ratio}, "
-        f"peak {human_bytes(stats['kv_bytes'])}{host}"
+        f"decode {stats['decode_tokens_per_s']:.1f} tok/s | {kv_text(stats)}"
     )
 
 
@@ -61,24 +71,12 @@ def _method_stats_text(stats: dict) -> str:
     return ", ".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in stats.items()) or "none"
 
 
-def _ratio_text(snap: dict) -> str:
-    fp16, same, total = snap["kv_bytes_fp16_full"], snap["kv_bytes_full"], snap["kv_bytes"]
-    if not fp16:
-        return "no tokens yet"
-    text = f"{total / fp16:.1%} of fp16 full {human_bytes(fp16)}"
-    if same != fp16:
-        text += f", {total / same:.1%} of full in the model's dtype {human_bytes(same)}"
-    return text
-
-
 def chat_compact(snap: dict) -> str:
     """The whole panel in one line, for narrow terminals (--compact) and the /method switch notice."""
-    fp16 = snap["kv_bytes_fp16_full"]
-    ratio = f"{snap['kv_bytes'] / fp16:.1%} of fp16 full" if fp16 else "no tokens yet"
     return (
         f"{snap['method']} | ctx {snap['context_tokens']}/{snap['context_limit']} | "
         f"{snap['decode_tokens_per_s_recent']:.1f} tok/s (avg {snap['decode_tokens_per_s_average']:.1f}) | "
-        f"KV {human_bytes(snap['kv_bytes'])} = {ratio} | {_method_stats_text(snap['method_stats'])}"
+        f"{kv_text(snap)} | {_method_stats_text(snap['method_stats'])}"
     )
 
 
@@ -97,8 +95,8 @@ def chat_panel(snap: dict, compact: bool = False):
     grid.add_row("decode", f"{snap['decode_tokens_per_s_recent']:.1f} tok/s now, "
                            f"{snap['decode_tokens_per_s_average']:.1f} tok/s average")
     grid.add_row("context", f"{snap['context_tokens']} / {snap['context_limit']} tokens, {snap['turns']} turns done")
-    grid.add_row("KV cache", f"{human_bytes(snap['kv_bytes'])}: {tiers}")
-    grid.add_row("vs full", _ratio_text(snap))
+    grid.add_row("KV cache", f"{human_bytes(snap['kv_bytes_final'])}: {tiers}")
+    grid.add_row("vs full", kv_text(snap))
     grid.add_row("method", Text(_method_stats_text(snap["method_stats"])))
     return Panel(grid, title=Text(_options_text(snap)), title_align="left", expand=False)
 
@@ -114,13 +112,14 @@ def chat_stats_table(snap: dict):
     table.add_row("tokens in context", f"{snap['context_tokens']} of {snap['context_limit']}")
     table.add_row("decode tok/s (recent / average)",
                   f"{snap['decode_tokens_per_s_recent']:.1f} / {snap['decode_tokens_per_s_average']:.1f}")
-    table.add_row("KV bytes total", f"{snap['kv_bytes']:,} ({human_bytes(snap['kv_bytes'])})")
-    table.add_row("KV bytes on the device", f"{snap['kv_bytes_device']:,}")
+    table.add_row("KV bytes total", f"{snap['kv_bytes_final']:,} ({human_bytes(snap['kv_bytes_final'])})")
+    table.add_row("KV bytes on the device", f"{snap['kv_bytes_device_peak']:,}")
     for tier, n in snap["kv_bytes_by_tier"].items():
         table.add_row(f"  {tier}", f"{n:,}")
     table.add_row("full cache, same dtype", f"{snap['kv_bytes_full']:,}")
     table.add_row("full cache, fp16", f"{snap['kv_bytes_fp16_full']:,}")
-    table.add_row("ratio vs fp16 full", f"{snap['kv_ratio_vs_fp16_full']:.4f}")
+    table.add_row("ratio vs full (same dtype)", f"{snap['kv_ratio_vs_full'] or 0:.4f}")
+    table.add_row("ratio vs fp16 full", f"{snap['kv_ratio_vs_fp16_full'] or 0:.4f}")
     for key, value in snap["method_stats"].items():
         table.add_row(f"{snap['method']}: {key}", str(value))
     return table

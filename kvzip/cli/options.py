@@ -13,7 +13,7 @@ from kvzip.errors import UserError
 
 Model = Annotated[str, typer.Option("--model", "-m", help="Alias (smollm2-135m, qwen2.5-coder-0.5b), HF folder, .gguf file or hub id.")]
 Device = Annotated[str, typer.Option(help="auto (CUDA if available), cpu or cuda.")]
-Dtype = Annotated[str, typer.Option(help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16.")]
+Dtype = Annotated[str, typer.Option(help="auto (bfloat16 where the hardware runs it natively: CUDA, CPUs with AMX or AVX-512 BF16; else float32), float32, bfloat16 or float16.")]
 MethodName = Annotated[str, typer.Option("--method", help="Cache method; `kvzip generate --list-methods` lists them.")]
 Opts = Annotated[Optional[list[str]], typer.Option("--opt", help="Method option key=value, repeatable.")]
 DictPath = Annotated[Optional[Path], typer.Option("--dict", help="Dictionary file for dictionary methods (default: the one shipped for the model).")]

@@ -32,6 +32,28 @@ def tensor_bytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def kv_report(peak: dict, last: dict) -> dict:
+    """The one memory report every command and workload prints: peak and last bytes of a cache, by tier, against
+    what `full` holds for the same tokens in the same dtype (`kv_bytes_full`, so `full` reads 1.00) and, apart,
+    against an fp16 full cache. `peak` and `last` are `KVCache.memory()` dicts (peak: the per-key maximum).
+    Total counts every tier (the host tier is memory too); device counts what attention needs resident."""
+    full, fp16 = last.get("full_same_dtype", 0), last.get("fp16_full", 0)
+    total, device = peak.get("total", 0), peak.get("on_device", 0)
+    ratio = lambda n, d: round(n / d, 4) if d else None  # noqa: E731
+    return {
+        "kv_bytes_peak": total,
+        "kv_bytes_device_peak": device,
+        "kv_bytes_host_peak": peak.get("host", 0),
+        "kv_bytes_final": last.get("total", 0),
+        "kv_bytes_by_tier": {t: last.get(t, 0) for t in TIERS},
+        "kv_bytes_full": full,
+        "kv_bytes_fp16_full": fp16,
+        "kv_ratio_vs_full": ratio(total, full),
+        "kv_device_ratio_vs_full": ratio(device, full),
+        "kv_ratio_vs_fp16_full": ratio(total, fp16),
+    }
+
+
 class KVLayer(CacheLayerMixin):
     """Base for kvzip cache layers: counts tokens seen and reports memory. Subclasses store what they keep."""
 
@@ -77,6 +99,14 @@ class KVCache(Cache):
         """Extra keyword arguments for the model's forward: hands this cache to kvzip's attention function."""
         return {"kvzip_cache": self}
 
+    def on_prefill(self, attention_mask: torch.Tensor) -> None:
+        """Called before a prompt's forward with the 2D mask (B, past + T): tells layers each row's left padding."""
+        padding = (attention_mask.cumsum(-1) == 0).sum(-1)  # (B,) leading zeros
+        for layer in self.layers:
+            set_padding = getattr(layer, "set_padding", None)
+            if set_padding is not None:
+                set_padding(padding)
+
     def on_step(self, token_ids: torch.Tensor, texts: list[str]) -> None:
         """Called after each sampled token: token_ids (B,), texts the decoded delta per row. No-op by default."""
 
@@ -112,6 +142,12 @@ class Method:
     # Small options under which the method compresses within a few dozen tokens of a tiny model: the test matrix
     # (tests/matrix.py) reads them, so a new method is covered without editing any test.
     test_options: typing.ClassVar[dict[str, str]] = {}
+    # A method that keeps every prompt token by design (it compresses what the model writes): the bench's `prompt`
+    # workload, which measures prompt compression, skips it.
+    keeps_prompt: typing.ClassVar[bool] = False
+    # Options under which the method keeps every token (a budget beyond any test sequence), so it must equal `full`;
+    # None for a method that has no such setting (hf-fp8 quantizes every token).
+    lossless_options: typing.ClassVar[dict[str, str] | None] = {}
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         raise NotImplementedError

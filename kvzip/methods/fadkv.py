@@ -17,6 +17,10 @@ least recently used) and the vector is re-coded. The shared dictionary is never 
 live in its own overlay (atom number -> vector), so batched rows cannot corrupt each other, and the dictionary size a
 sequence sees stays N. `adapt=append` grows the overlay past N instead (the ablation the paper argues against);
 `adapt=none` keeps the dictionary static.
+
+Models with more than one kind of layer: pre-RoPE keys are turned by each layer's own RoPE (kvzip.rope: Gemma 3's
+local and global bases, Phi-3's partial rotary, where only the first channels turn), and a sliding-window layer drops
+every token, coded or dense, that its next query can no longer see (the atoms those codes used are counted off).
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzip.attention import dense_attention, gather_mask
+from kvzip.attention import dense_attention, gather_mask, gather_tokens, leading_padding
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
-from kvzip.rope import phasors, rope_frequencies, to_pairs, turn_pairs
+from kvzip.rope import (attention_windows, as_rope, full_tokens, layer_ropes, phasors, to_pairs, turn_pairs,
+                        visible_from)
 from kvzip.sparse import attention as coded
 from kvzip.sparse.omp import gram_matrix, omp, reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS, screen
@@ -68,14 +73,15 @@ class _Overlay:
 
 
 class FadkvLayer(KVLayer):
-    def __init__(self, cfg: "Fadkv", d_k, d_v, g_k, g_v, key_mean, inv_freq=None, rope_memo=None):
+    def __init__(self, cfg: "Fadkv", d_k, d_v, g_k, g_v, key_mean, rope=None, rope_memo=None, window=None):
         super().__init__()
-        self.inv_freq = inv_freq  # RoPE frequencies (d/2,) when keys are coded before RoPE, else None
-        self.rope_memo = {} if rope_memo is None else rope_memo  # shared by a cache's layers: one RoPE table per step
+        self.rope = None if rope is None else as_rope(rope)  # this layer's Rope when keys are coded before RoPE
+        self.window = window  # sliding window (None: full attention)
+        self.rope_memo = {} if rope_memo is None else rope_memo  # shared by a cache's layers: RoPE tables per step
         self.cfg = cfg
         self.dicts = {"k": (d_k, g_k), "v": (d_v, g_v)}  # shared (N, d) atoms and (N, N) Gram, fp32
         self.n_atoms = d_k.shape[0]
-        self.key_mean = key_mean  # (Hkv, d) or None; with inv_freq, it and d_k are in `to_pairs` order
+        self.key_mean = key_mean  # (Hkv, d) or None; with rope, it and d_k are in `to_pairs` order
         self.coded_vectors = 0
         self.residual_sum = 0.0
         self.replaced = 0
@@ -98,6 +104,7 @@ class FadkvLayer(KVLayer):
             stored, scale = coded.quantize(torch.zeros(b, h, 0, s, device=dev), self.cfg.coef)
             self.codes[kind] = [torch.zeros(b, h, 0, s, dtype=idx_dtype, device=dev), stored, scale]
         self.overlay = {kind: _Overlay(b, d, dev) for kind in "kv"}
+        self.pad = None  # (B,) left-padding tokens of each row (positions below it are padding), set by the prefill
         self.refcount = {kind: torch.zeros(b, self.n_atoms, dtype=torch.long, device=dev) for kind in "kv"}
         self.last_used = {kind: torch.full((b, self.n_atoms), -1, dtype=torch.long, device=dev) for kind in "kv"}
 
@@ -114,14 +121,42 @@ class FadkvLayer(KVLayer):
         return key_states, value_states
 
     def attend(self, module, query, key, value, mask, scaling):
+        if self.pad is None:  # the first forward: what of each row is left padding
+            self.pad = leading_padding(mask, self.batch, self.keys.device)
         out = self._attention(query, mask, scaling)
         self._compress(prefill=query.shape[2] > 1)
+        if self.window is not None:
+            self._slide()
         return out
 
     def memory(self) -> dict[str, int]:
         codes = sum(tensor_bytes(*c) for c in self.codes.values())
         overlay = sum(o.bytes() for o in self.overlay.values())
         return {"device": tensor_bytes(self.keys, self.values), "codes": codes, "dictionary": overlay}
+
+    def full_bytes(self, element_size: int) -> int:
+        return 2 * self.batch * self.kv_heads * full_tokens(self.seen, self.window) * self.head_dim * element_size
+
+    def _slide(self) -> None:
+        """Sliding-window layer, after attending: drop what its next query can no longer see. Coded tokens before the
+        window become holes (position -1, never seen) with their atoms counted off, and a column that is a hole in
+        every row goes; the dense tier loses its oldest columns where every row's are out of the window (a row's
+        others stay, hidden by the model's mask)."""
+        cut = visible_from(self.seen, self.window)
+        gone = (self.coded_pos >= 0) & (self.coded_pos < cut)  # (B, T)
+        if bool(gone.any()):
+            for kind in "kv":
+                for row in range(self.batch):
+                    used = self.codes[kind][0][row][:, gone[row]].reshape(-1).long()
+                    self.refcount[kind][row].scatter_add_(0, used, -torch.ones_like(used))
+            self.coded_pos = self.coded_pos.masked_fill(gone, -1)
+            keep = (self.coded_pos >= 0).any(0).nonzero().squeeze(-1)  # (T',) columns some row still needs
+            self.codes = {k: [None if x is None else x.index_select(2, keep) for x in c] for k, c in self.codes.items()}
+            self.coded_pos = self.coded_pos.index_select(1, keep)
+        drop = int((self.dense_pos < cut).sum(1).min())  # holes (-1) and old tokens lead each row
+        if drop:
+            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
+            self.dense_pos = self.dense_pos[:, drop:]
 
     # ---- attention on codes ---------------------------------------------------------------------------------
     def _atom_scores(self, kind: str, qg: torch.Tensor) -> torch.Tensor:
@@ -162,7 +197,7 @@ class FadkvLayer(KVLayer):
         # (B, H, g*q, d): query heads grouped under their KV head, scaled once here rather than every score
         qg = query.float().reshape(b, h, g * q, d) * scaling
         dense_scores = qg @ self.keys.float().transpose(-1, -2)  # (B, H, gq, S)
-        if self.inv_freq is not None:
+        if self.rope is not None:
             scores = torch.cat([self._prerope_scores(qg), dense_scores], -1)
             positions = torch.cat([self.coded_pos, self.dense_pos], 1)
         else:
@@ -221,8 +256,8 @@ class FadkvLayer(KVLayer):
         Atoms and key mean are stored in `to_pairs` order (and the query taken in it: a dot product does not care),
         so RoPE is one in-place complex product per chunk."""
         mean = None if self.key_mean is None else self.key_mean[None, :, None, :]  # (1, H, 1, d)
-        qp = to_pairs(qg)
-        turns = self._rope_table()  # (B, T, d/2) complex
+        qp = to_pairs(qg, self.rope.dim)
+        turns = self._rope_table()  # (B, T, dim/2) complex
         out = qg.new_empty(*qg.shape[:3], self.coded_pos.shape[1])
         for part, keys in self._rebuilt_chunks("k"):  # keys (B, H, Tc, d), in pair order like the atoms
             if mean is not None:
@@ -232,12 +267,16 @@ class FadkvLayer(KVLayer):
         return out
 
     def _rope_table(self) -> torch.Tensor:
-        """RoPE turns (B, T, d/2) complex of the coded tokens' positions. Every layer codes the same positions, so the
-        table is computed by the first layer of a forward and reused by the others (kept only until the next step)."""
-        key = (self.seen, self.coded_pos.shape[1])
-        if self.rope_memo.get("key") != key:
-            self.rope_memo.update(key=key, table=phasors(self.coded_pos, self.inv_freq))
-        return self.rope_memo["table"]
+        """RoPE turns (B, T, dim/2) complex of the coded tokens' positions. Layers with the same RoPE and window code
+        the same positions, so the table is computed by the first of them in a forward and reused by the others (kept
+        only until the next step)."""
+        if self.rope_memo.get("seen") != self.seen:
+            self.rope_memo.clear()
+            self.rope_memo["seen"] = self.seen
+        key = (id(self.rope), self.window, self.coded_pos.shape[1])
+        if key not in self.rope_memo:
+            self.rope_memo[key] = phasors(self.coded_pos, self.rope)
+        return self.rope_memo[key]
 
     def _atom_table(self, kind: str) -> torch.Tensor:
         """(B, Ntot, d): the atoms each row sees, the shared dictionary patched by the row's overlay."""
@@ -252,41 +291,69 @@ class FadkvLayer(KVLayer):
 
     @staticmethod
     def _allowed(mask, positions, q, width, device):
-        """Boolean (B|1, q, width) of which stored tokens each query may see, or None when all may."""
+        """Boolean (B|1, q, width) of which stored tokens each query may see, or None when all may. positions (B, width)
+        are the stored tokens' virtual positions; a hole (-1) is never seen."""
+        holes = positions < 0
         if mask is not None:
-            m = gather_mask(mask, positions)[:, 0]  # (B, q, width)
-            return m if m.dtype == torch.bool else m == 0
-        if q == 1:
-            return None
-        allowed = torch.ones(q, width, dtype=torch.bool, device=device)
-        allowed[:, width - q :] = torch.ones(q, q, dtype=torch.bool, device=device).tril()
-        return allowed[None]
+            m = gather_mask(mask, positions.clamp(min=0))[:, 0]  # (B, q, width)
+            m = m if m.dtype == torch.bool else m == 0
+            return m & ~holes[:, None, :]
+        allowed = None
+        if q > 1:
+            allowed = torch.ones(q, width, dtype=torch.bool, device=device)
+            allowed[:, width - q :] = torch.ones(q, q, dtype=torch.bool, device=device).tril()
+            allowed = allowed[None]
+        if bool(holes.any()):
+            allowed = (~holes[:, None, :]) if allowed is None else allowed & ~holes[:, None, :]
+        return allowed
 
     # ---- coding ---------------------------------------------------------------------------------------------
     def _compress(self, prefill: bool) -> None:
-        sinks = min(self.cfg.sinks, self.seen)
-        codeable = self.keys.shape[2] - sinks - self.cfg.buffer
-        if codeable <= 0 or (not prefill and codeable < self.cfg.chunk):
+        """Code each row's oldest dense tokens beyond its sinks and buffer, on the row's own schedule (as if it ran
+        alone): a prefill codes all of them, a decode step a whole number of chunks once a chunk has gathered. Rows
+        stay rectangular by holes (position -1, masked) at the front of each tier; left padding is dropped, not coded."""
+        pad = self.pad if self.pad is not None else torch.zeros(self.batch, dtype=torch.long, device=self.keys.device)
+        real = self.dense_pos >= pad[:, None]  # (B, S) real tokens; holes (-1) and left padding are not
+        plan = []  # per row: (sinks, tokens to code, real dense columns in order)
+        for b, n in enumerate(real.sum(1).tolist()):
+            sinks = min(self.cfg.sinks, n)
+            codeable = n - sinks - self.cfg.buffer
+            if codeable <= 0 or (not prefill and codeable < self.cfg.chunk):
+                codeable = 0
+            elif not prefill:
+                codeable -= codeable % self.cfg.chunk
+            plan.append((sinks, codeable, real[b].nonzero().squeeze(-1)))
+        if not any(c for _, c, _ in plan):
             return
-        m = codeable if prefill else codeable - codeable % self.cfg.chunk
-        sl = slice(sinks, sinks + m)
         t0 = time.perf_counter()
-        k = self.keys[:, :, sl].float()  # (B, H, m, d)
-        if self.inv_freq is not None:  # keys=pre-rope: code the key as k_proj wrote it, in pair order
-            k = turn_pairs(to_pairs(k), phasors(self.dense_pos[:, None, sl], self.inv_freq).conj())
-        if self.key_mean is not None:
-            k = k - self.key_mean[None, :, None, :]
-        for kind, x in (("k", k), ("v", self.values[:, :, sl].float())):
-            idx, coef = self._code(kind, x)
+        code = [cols[s : s + c] for s, c, cols in plan]
+        keep = [torch.cat([cols[:s], cols[s + c :]]) for s, c, cols in plan]
+        xs = {"k": [], "v": []}
+        for b, cols in enumerate(code):
+            k = self.keys[b][:, cols].float()  # (H, c_b, d)
+            if self.rope is not None:  # keys=pre-rope: code the key as k_proj wrote it, in pair order
+                k = turn_pairs(to_pairs(k, self.rope.dim), phasors(self.dense_pos[b, cols], self.rope, inverse=True))
+            if self.key_mean is not None:
+                k = k - self.key_mean[:, None, :]
+            xs["k"].append(k)
+            xs["v"].append(self.values[b][:, cols].float())
+        width = max(len(c) for c in code)
+        for kind in "kv":
+            idx, coef = self._code(kind, xs[kind], width)
             st, sc = coded.quantize(coef, self.cfg.coef)
             old = self.codes[kind]
             self.codes[kind] = [torch.cat([old[0], idx.to(old[0].dtype)], 2), torch.cat([old[1], st], 2),
                                 None if sc is None else torch.cat([old[2], sc], 2)]
-        self.coded_pos = torch.cat([self.coded_pos, self.dense_pos[:, sl]], 1)
-        keep = torch.cat([torch.arange(sinks), torch.arange(sinks + m, self.keys.shape[2])]).to(self.keys.device)
-        self.keys, self.values = self.keys.index_select(2, keep), self.values.index_select(2, keep)
-        self.dense_pos = self.dense_pos.index_select(1, keep)
+        self.coded_pos = torch.cat([self.coded_pos, self._holed(self.dense_pos, code)], 1)
+        index, valid = _left_holed(keep)  # (B, S') gather index and which entries are real
+        self.keys, self.values = gather_tokens(self.keys, index), gather_tokens(self.values, index)
+        self.dense_pos = self.dense_pos.gather(1, index).masked_fill(~valid, -1)
         self.coding_s += time.perf_counter() - t0
+
+    def _holed(self, pos: torch.Tensor, cols: list[torch.Tensor]) -> torch.Tensor:
+        """Positions (B, width) of each row's chosen columns, -1 for the holes in front of a shorter row."""
+        index, valid = _left_holed(cols)
+        return pos.gather(1, index).masked_fill(~valid, -1)
 
     def _n_total(self, kind: str) -> int:
         ov = self.overlay[kind]
@@ -319,12 +386,18 @@ class FadkvLayer(KVLayer):
             return omp(x, atoms, s, gram=gram)
         return screen(x, atoms, s, n=self.cfg.pool, gram=gram, shots=self.cfg.shots, pick=self.cfg.pick)
 
-    def _code(self, kind: str, x: torch.Tensor):
-        """x (B, H, m, d) fp32 -> idx (B, H, m, s), coef (B, H, m, s); adapts the row's dictionary when asked."""
-        b, h, m, d = x.shape
-        idx_rows, coef_rows = [], []
-        for row in range(b):
-            flat = x[row].reshape(h * m, d)
+    def _code(self, kind: str, xs: list[torch.Tensor], width: int):
+        """xs: per row (H, m_b, d) fp32 -> idx, coef (B, H, width, s), each row's codes after holes (atom 0,
+        coefficient 0) that fill it to `width`. Adapts each row's dictionary when asked; holes are never coded."""
+        s = self.cfg.atoms_per_vector(kind)
+        h, d = xs[0].shape[0], xs[0].shape[-1]
+        out_idx = torch.zeros(self.batch, h, width, s, dtype=torch.long, device=xs[0].device)
+        out_coef = torch.zeros(self.batch, h, width, s, device=xs[0].device)
+        for row, x in enumerate(xs):
+            m = x.shape[1]
+            if m == 0:
+                continue
+            flat = x.reshape(h * m, d)
             atoms, gram = self._row_dictionary(kind, row)
             idx, coef = self._coder(kind, flat, atoms, gram)
             err = _relative_error(flat, atoms, idx, coef)
@@ -333,9 +406,9 @@ class FadkvLayer(KVLayer):
             self.residual_sum += float(err.sum())
             self.coded_vectors += flat.shape[0]
             self._count(kind, row, idx)
-            idx_rows.append(idx.view(h, m, -1))
-            coef_rows.append(coef.view(h, m, -1))
-        return torch.stack(idx_rows), torch.stack(coef_rows)
+            out_idx[row, :, width - m :] = idx.view(h, m, -1)
+            out_coef[row, :, width - m :] = coef.view(h, m, -1)
+        return out_idx, out_coef
 
     def _count(self, kind, row, idx):
         n_tot = self._n_total(kind)
@@ -386,6 +459,20 @@ class FadkvLayer(KVLayer):
         return idx, coef, err
 
 
+def _left_holed(cols: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row column lists -> (index (B, width), valid (B, width)): each row's columns right-aligned, holes in front
+    (index 0, not valid), width the longest row's."""
+    width = max(len(c) for c in cols)
+    device = cols[0].device
+    index = torch.zeros(len(cols), width, dtype=torch.long, device=device)
+    valid = torch.zeros(len(cols), width, dtype=torch.bool, device=device)
+    for b, c in enumerate(cols):
+        if len(c):
+            index[b, width - len(c) :] = c
+            valid[b, width - len(c) :] = True
+    return index, valid
+
+
 def _relative_error(x, atoms, idx, coef) -> torch.Tensor:
     """||x - D c|| / ||x|| per row of x (M, d) for codes idx, coef (M, s) over atoms (N, d)."""
     return (x - reconstruct(atoms, idx, coef)).norm(dim=-1) / x.norm(dim=-1).clamp(min=1e-8)
@@ -418,6 +505,7 @@ class Fadkv(Method):
     summary = "FAD-KV: dictionary-coded K/V (screening coder, fixed-size adaptive dictionary), attention on codes"
     needs_dictionary = True
     test_options = {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2", "tau": "0.3"}
+    lossless_options = {"buffer": "100000"}
     sparsity: int = 8
     sparsity_v: int = 0  # atoms per value vector; 0: the same as `sparsity` (keys)
     coef: str = "int8"  # same agreement as fp8 at 4k (0.953 both), and its CPU decode is a plain cast
@@ -459,15 +547,17 @@ class Fadkv(Method):
             raise UserError(f"method '{self.name}' with keys={self.keys} needs a dictionary of {self.keys} keys; this one "
                             f"was trained on {trained} keys: pass another --dict or train one with "
                             f"`kvzip train-dict --keys {self.keys}`")
-        inv_freq = rope_frequencies(model, f"{self.name} with a pre-RoPE dictionary") if trained == "pre-rope" else None
+        ropes = layer_ropes(model, f"{self.name} with a pre-RoPE dictionary") if trained == "pre-rope" else None
+        windows = attention_windows(model, self.name)
         layers, kv_heads, head_dim = model_layout(model)
         if max(self.sparsity, self.sparsity_v) > dictionaries.keys.shape[1]:
             raise UserError(f"sparsity {max(self.sparsity, self.sparsity_v)} exceeds the dictionary's "
                             f"{dictionaries.keys.shape[1]} atoms")
-        prepared = _prepare(dictionaries, model.device, paired=inv_freq is not None)
+        prepared = _prepare(dictionaries, model.device, paired=[r.dim for r in ropes] if ropes else False)
         self.shared_bytes = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
         memo: dict = {}
-        return FadkvCache([FadkvLayer(self, *prepared[i], inv_freq=inv_freq, rope_memo=memo) for i in range(layers)], self)
+        return FadkvCache([FadkvLayer(self, *prepared[i], rope=ropes[i] if ropes else None, rope_memo=memo,
+                                      window=windows[i]) for i in range(layers)], self)
 
 
 @dataclass
@@ -482,10 +572,11 @@ class Lexico(Fadkv):
     preferred_keys: typing.ClassVar[str] = "post-rope"  # as Lexico codes them (q·D shared by every token)
 
 
-def _prepare(dictionaries, device, paired: bool = False):
+def _prepare(dictionaries, device, paired: bool | list[int] = False):
     """Per layer: fp32 atoms and Gram matrices on the device, computed once per dictionary object. `paired`: key atoms
-    and key mean in `to_pairs` order, as pre-RoPE layers keep them (the Gram matrix does not change)."""
-    key = (str(device), paired)
+    and key mean in `to_pairs` order, as pre-RoPE layers keep them (the Gram matrix does not change); True pairs every
+    channel, a list gives each layer's rotary width (partial rotary leaves the other channels in place)."""
+    key = (str(device), paired if isinstance(paired, bool) else tuple(paired))
     cache = dictionaries.__dict__.setdefault("_prepared", {})
     if key not in cache:
         out = []
@@ -494,8 +585,9 @@ def _prepare(dictionaries, device, paired: bool = False):
             d_v = dictionaries.values[i].float().to(device)
             mean = None if dictionaries.key_mean is None else dictionaries.key_mean[i].float().to(device)
             if paired:
-                d_k = to_pairs(d_k).contiguous()
-                mean = None if mean is None else to_pairs(mean).contiguous()
+                dim = None if paired is True else paired[i]
+                d_k = to_pairs(d_k, dim).contiguous()
+                mean = None if mean is None else to_pairs(mean, dim).contiguous()
             out.append((d_k, d_v, gram_matrix(d_k), gram_matrix(d_v), mean))
         cache[key] = out
     return cache[key]

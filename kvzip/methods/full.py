@@ -1,16 +1,19 @@
 """`full`: the uncompressed reference cache.
 
 Stores every key and value like transformers' DynamicLayer and leaves attention to the stock SDPA path, so greedy
-output is token-identical to `model.generate`. Every other method is measured against it.
+output is token-identical to `model.generate`. Every other method is measured against it. A sliding-window layer
+(Gemma 3, Mistral) keeps its last window - 1 tokens, as transformers' own cache does (DynamicSlidingWindowLayer):
+a full cache of such a model holds no more than that either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvzip.methods.base import KVCache, Method, model_layout, tensor_bytes
+from kvzip.methods.base import KVCache, Method, tensor_bytes
+from kvzip.rope import attention_windows
 
 
 class FullLayer(DynamicLayer):
@@ -29,12 +32,16 @@ class FullLayer(DynamicLayer):
         return 2 * self.keys[..., 0].numel() * self.keys.shape[-1] * element_size
 
 
+class FullSlidingLayer(FullLayer, DynamicSlidingWindowLayer):
+    """DynamicSlidingWindowLayer (keeps the last window - 1 tokens) with FullLayer's memory report."""
+
+
 @dataclass
 class Full(Method):
     name = "full"
     summary = "uncompressed cache, the reference (token-identical to transformers greedy)"
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
-        layers, _, _ = model_layout(model)
-        return KVCache([FullLayer() for _ in range(layers)], self)
+        windows = attention_windows(model)
+        return KVCache([FullLayer() if w is None else FullSlidingLayer(sliding_window=w) for w in windows], self)
 

@@ -5,6 +5,8 @@ Every forward computes attention explicitly to add each stored token's received 
 and the new queries) to its running score; the prefill scores the prompt with its own causal attention. After each
 forward a row keeps its `window` newest tokens and the `heavy` highest-scoring older ones. One token set per layer,
 shared by its KV heads (the paper selects per head; a shared set keeps the batch a dense (B, H, S, d) tensor).
+On a sliding-window layer the heavy hitters are chosen among the tokens its queries can still see, and the rest go
+(kvzip/methods/window.py).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from kvzip.attention import gather_mask, gather_tokens
-from kvzip.methods.base import KVCache, Method, check_positive, model_layout, tensor_bytes
+from kvzip.methods.base import KVCache, Method, check_positive, tensor_bytes
 from kvzip.methods.window import WindowCache, WindowLayer
+from kvzip.rope import attention_windows, visible_from
 
 
 class H2OLayer(WindowLayer):
-    def __init__(self, heavy: int, window: int):
-        super().__init__(sinks=0, window=window)
+    def __init__(self, heavy: int, window: int, sliding: int | None = None):
+        super().__init__(sinks=0, window=window, sliding=sliding)
         self.heavy = heavy
 
     def lazy_initialization(self, key_states, value_states):
@@ -46,6 +49,8 @@ class H2OLayer(WindowLayer):
         self.score += w.sum((1, 2))
         out = (w @ self.values.repeat_interleave(rep, dim=1)).transpose(1, 2).contiguous()  # (B, q, Hq, d)
         self._evict(mask)
+        drop = self._slide()
+        self.score = self.score[:, drop:]
         return out
 
     def _evict(self, mask):
@@ -54,6 +59,9 @@ class H2OLayer(WindowLayer):
         if stored <= keep:
             return
         old = self.score[:, : stored - self.window].clone()  # (B, S - window) candidates for heavy hitters
+        if self.sliding is not None:  # tokens out of the layer's window are never heavy hitters
+            old = old.masked_fill(self.positions[:, : stored - self.window] < visible_from(self.seen, self.sliding),
+                                  float("-inf"))
         if mask is not None:  # padding never counts as a heavy hitter
             real = gather_mask(mask[:, :, -1:], self.positions[:, : stored - self.window])[:, 0, 0]
             old = old.masked_fill(~real, float("-inf"))
@@ -75,6 +83,7 @@ class H2O(Method):
     name = "h2o"
     summary = "H2O: heavy-hitter tokens by accumulated attention + a recent window, the rest evicted"
     test_options = {"heavy": "4", "window": "8"}
+    lossless_options = {"heavy": "100000", "window": "100000"}
     heavy: int = 256
     window: int = 256
 
@@ -82,5 +91,5 @@ class H2O(Method):
         check_positive(heavy=self.heavy, window=self.window)
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
-        layers, _, _ = model_layout(model)
-        return WindowCache([H2OLayer(self.heavy, self.window) for _ in range(layers)], self)
+        windows = attention_windows(model, self.name)
+        return WindowCache([H2OLayer(self.heavy, self.window, w) for w in windows], self)

@@ -22,6 +22,7 @@ from transformers.cache_utils import Fp8QuantizedLayer, QuantoQuantizedLayer
 
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, Method, check_choice, check_positive, model_layout, tensor_bytes
+from kvzip.rope import attention_windows
 
 
 def stored_bytes(obj) -> int:
@@ -54,19 +55,38 @@ class _PeerMemory:
 
 
 class PeerFp8Layer(_PeerMemory, Fp8QuantizedLayer):
-    """The one change to transformers' layer: saturate at the fp8 range before the cast. The scale is frozen on the
+    """Two changes to transformers' layer. It saturates at the fp8 range before the cast: the scale is frozen on the
     prefill, so a later token can exceed it; the CPU cast saturates, but the CUDA cast turns such values into NaN
-    (seen on an H200 in bf16: perplexity NaN, top-1 agreement 0.41), which would measure a crash, not fp8."""
+    (seen on an H200 in bf16: perplexity NaN, top-1 agreement 0.41), which would measure a crash, not fp8. And the
+    scale is one per row, calibrated on the row's real tokens (the stock one spans the batch, left padding included),
+    so a row of a batch is cached exactly as it would be alone."""
+
+    padding = None  # (B,) left padding of each row, from KVCache.on_prefill
+
+    def set_padding(self, padding: torch.Tensor) -> None:
+        self.padding = padding
 
     def _quantize(self, tensor, scale=None):
-        if scale is None:
-            return super()._quantize(tensor)
+        if scale is None:  # calibrate one scale per row on its real tokens, so a batch row quantizes as if alone
+            real = torch.ones(tensor.shape[0], tensor.shape[2], dtype=torch.bool, device=tensor.device)  # (B, T)
+            if self.padding is not None:
+                real = torch.arange(tensor.shape[2], device=tensor.device) >= self.padding.to(tensor.device)[:, None]
+            amax = tensor.float().abs().masked_fill(~real[:, None, :, None], 0).amax((1, 2, 3), keepdim=True)
+            scale = (amax / self.fp8_max).clamp(min=torch.finfo(torch.float32).tiny)  # (B, 1, 1, 1)
         limit = self.fp8_max * scale
         return super()._quantize(torch.maximum(torch.minimum(tensor.float(), limit), -limit), scale)
 
 
 class PeerQuantoLayer(_PeerMemory, QuantoQuantizedLayer):
-    pass
+    def set_padding(self, padding: torch.Tensor) -> None:
+        """quanto quantizes groups within one token's head vector, so a row never depends on the others."""
+
+
+def _full_attention_only(model, name: str) -> None:
+    """transformers' QuantizedCache refuses models with sliding-window layers (its layers keep every token); so do we."""
+    if any(w is not None for w in attention_windows(model)):
+        raise UserError(f"method '{name}' (transformers' QuantizedCache) needs a model whose layers all use full "
+                        "attention; this model has sliding-window layers")
 
 
 @dataclass
@@ -74,10 +94,12 @@ class HfFp8(Method):
     """transformers QuantizedCache(backend="fp8"): float8 e4m3 keys and values, one frozen scale per tensor."""
 
     name = "hf-fp8"
+    lossless_options = None
     summary = "peer: transformers' fp8 quantized cache (per-tensor scale), stock attention"
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
+        _full_attention_only(model, self.name)
         return KVCache([PeerFp8Layer() for _ in range(layers)], self)
 
 
@@ -86,6 +108,7 @@ class _Quanto(Method):
     q_group_size: int = 64
     residual_length: int = 128
     test_options = {"q_group_size": "16", "residual_length": "8"}
+    lossless_options = None  # the prefill is quantized whatever residual_length says
 
     bits = 4
 
@@ -97,6 +120,7 @@ class _Quanto(Method):
         if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
             raise UserError(f"method '{self.name}' needs optimum-quanto: pip install optimum-quanto")
         layers, _, head_dim = model_layout(model)
+        _full_attention_only(model, self.name)
         if head_dim % self.q_group_size:
             raise UserError(f"method '{self.name}': q_group_size {self.q_group_size} must divide head_dim {head_dim}")
         return KVCache([PeerQuantoLayer(nbits=self.bits, q_group_size=self.q_group_size,

@@ -11,7 +11,8 @@ import typing
 from dataclasses import dataclass
 
 from kvzip.methods.base import KVCache, model_layout
-from kvzip.methods.zoomr import ThoughtOptions, ZoomRCache, rope_frequencies
+from kvzip.methods.zoomr import ThoughtOptions, ZoomRCache
+from kvzip.rope import attention_windows, layer_ropes
 
 
 @dataclass
@@ -21,6 +22,7 @@ class SumR(ThoughtOptions):
     name = "sumr"
     summary = "summaries of past thoughts + prompt + recent window, never zooms in (ZoomR baseline)"
     test_options = {"window": "8", "r": "2", "min_thought": "4", "max_thought": "8"}
+    lossless_options = {"window": "100000"}
     k: typing.ClassVar[int] = 0
     c: typing.ClassVar[int] = 0
     select: typing.ClassVar[str] = "thought"
@@ -30,5 +32,6 @@ class SumR(ThoughtOptions):
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
-        rope = rope_frequencies(model) if self.pick == "novel" else None
-        return ZoomRCache(self, layers, zoom=False, keep_detail=False, rope=rope)
+        ropes = layer_ropes(model, f"{self.name} pick=novel") if self.pick == "novel" else None
+        return ZoomRCache(self, layers, zoom=False, keep_detail=False, ropes=ropes,
+                          windows=attention_windows(model, self.name))

@@ -3,6 +3,8 @@
 The layer keeps the first `sinks` real tokens of each row (they soak up attention mass whatever their content) and
 the last `window` tokens. A prefill attends to the whole prompt, then the layer trims down, so memory stops growing
 once the window is full. Evicted tokens are gone for good: the baseline every retrieval method has to beat on recall.
+On a sliding-window layer (Gemma 3, Mistral) the layer also drops whatever its next query can no longer see, sinks
+included: the policy applies within the layer's own window.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from kvzip.attention import dense_attention, gather_tokens, leading_padding
-from kvzip.methods.base import KVCache, KVLayer, Method, check_positive, model_layout, tensor_bytes
+from kvzip.methods.base import KVCache, KVLayer, Method, check_positive, tensor_bytes
+from kvzip.rope import attention_windows, full_tokens, visible_from
 
 
 class WindowLayer(KVLayer):
-    def __init__(self, sinks: int, window: int):
+    def __init__(self, sinks: int, window: int, sliding: int | None = None):
         super().__init__()
         self.sinks, self.window = sinks, window
+        self.sliding = sliding  # the layer's own sliding window (None: full attention)
         self.evicted = 0
         self.pad = None  # (B,) left-padding tokens still stored at the front of each row
 
@@ -44,7 +48,26 @@ class WindowLayer(KVLayer):
             self.pad = leading_padding(mask, self.batch, self.keys.device)
         out = dense_attention(query, key, value, mask, scaling, positions=self.positions)
         self._evict()
+        self._slide()
         return out
+
+    def _slide(self) -> int:
+        """On a sliding-window layer, drop the stored tokens the next query cannot see: each row's oldest (rows stay
+        sorted by position). A row whose sinks sit later keeps up to `sinks` more, hidden by the model's mask.
+        Returns how many columns went."""
+        if self.sliding is None:
+            return 0
+        drop = int((self.positions < visible_from(self.seen, self.sliding)).sum(1).min())
+        if drop:
+            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
+            self.positions = self.positions[:, drop:]
+            if self.pad is not None:
+                self.pad = (self.pad - drop).clamp(min=0)
+            self.evicted += drop
+        return drop
+
+    def full_bytes(self, element_size: int) -> int:
+        return 2 * self.batch * self.kv_heads * full_tokens(self.seen, self.sliding) * self.head_dim * element_size
 
     def _evict(self):
         keep = self.sinks + self.window
@@ -78,6 +101,7 @@ class Window(Method):
     name = "window"
     summary = "StreamingLLM: attention-sink tokens + a window of recent tokens, the rest evicted"
     test_options = {"sinks": "2", "window": "8"}
+    lossless_options = {"window": "100000"}
     sinks: int = 4
     window: int = 508
 
@@ -87,5 +111,5 @@ class Window(Method):
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
-        layers, _, _ = model_layout(model)
-        return WindowCache([WindowLayer(self.sinks, self.window) for _ in range(layers)], self)
+        windows = attention_windows(model, self.name)
+        return WindowCache([WindowLayer(self.sinks, self.window, w) for w in windows], self)

@@ -6,9 +6,11 @@ training-free) or the tokens the model wrote between summary markers (`summary=g
 of its summary keys per layer and KV head (`index=mean`), or the summary keys themselves (`index=max`: a thought
 scores the largest of the query's logits with its summary keys, i.e. the attention logits the model itself computes
 for those tokens, rather than the logit of a mean of keys rotated to different positions); `index_space=content`
-scores with RoPE undone on both sides. Every thought's full K/V (the detail) goes off the device (`detail=host`:
-CPU memory, pinned with non-blocking copies on CUDA; `detail=fadkv`: the same, as sparse codes over the FAD-KV
-dictionary of kvzip/methods/fadkv.py, ~8x fewer host bytes, reconstructed with coding error when zoomed in).
+scores with RoPE undone on both sides. Every thought's full K/V (the detail) goes off the device, to CPU memory
+(pinned, with non-blocking copies on CUDA): `detail=int8` (default) as int8 with one scale per vector, half the
+bytes of bf16 and a quarter of fp32, so that device and host together hold less than a full cache;
+`detail=host` as dense copies in the compute dtype (the paper's setting); `detail=fadkv` as sparse codes over the
+FAD-KV dictionary of kvzip/methods/fadkv.py, ~8x fewer host bytes, reconstructed with coding error when zoomed in.
 
 Zoom-in, and why it is applied one step late: at a selection point every query head of every layer scores the index
 keys and votes for its top-`k` thoughts; the `c` most-voted thoughts (votes summed over heads and layers) are zoomed
@@ -20,6 +22,11 @@ zoom set is constant in between anyway; `select=token` votes at every step, stil
 Active context on the device, per row = prompt (its own segment, kept in full; it holds the attention sinks) + all
 summaries + the zoomed thoughts' full K/V + the recent tail (the last `window` tokens and the whole unfinished
 thought). Rows of a left-padded batch have their own thoughts; the device buffer is padded per row (position -1).
+
+Models with more than one kind of layer (Gemma 3's sliding-window and global layers): each layer turns keys back
+by its own RoPE (kvzip.rope), and a sliding-window layer applies all of the above within its window only: its
+active context drops whatever its next query can no longer see, its detail of a thought goes once the thought has
+left the window, and it votes only for thoughts still (partly) inside the window.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import torch
 from kvzip.attention import gather_mask, leading_padding
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
-from kvzip.rope import rope_frequencies, unrotate
+from kvzip.rope import attention_windows, full_tokens, layer_ropes, unrotate, visible_from
 from kvzip.sparse.omp import omp, reconstruct
 
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]?\s")
@@ -65,6 +72,27 @@ def parse_boundary(spec: str) -> tuple[tuple[str, ...], frozenset[int]]:
     return tuple(strings), frozenset(ids)
 
 
+RANK_QUANTUM = 1e-4  # scores closer than this rank as equal: float noise of a batch's padding must not flip a choice
+
+
+def ranked(scores: torch.Tensor) -> torch.Tensor:
+    """Indices of `scores` (..., n) from highest to lowest, ties (within RANK_QUANTUM) to the lowest index. topk leaves
+    ties unordered, and summary picks and votes meet exact ties (a thought repeating earlier text scores 0 throughout)
+    and near ties (the same row in another batch computes through other padding): either would make a row choose
+    differently in a batch than alone."""
+    return torch.sort(torch.round(scores / RANK_QUANTUM), dim=-1, descending=True, stable=True).indices
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., d) -> (int8 codes (..., d), fp16 scale (..., 1)): symmetric, one scale per vector (its largest |x|)."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
+    return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.half()
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.float()).to(dtype)
+
+
 class Row:
     """One batch row's segmentation: prompt ranges, finished thoughts, the open thought, the zoom set."""
 
@@ -80,9 +108,11 @@ class Row:
 
 
 class ZoomRLayer(KVLayer):
-    def __init__(self, cache: "ZoomRCache", idx: int):
+    def __init__(self, cache: "ZoomRCache", idx: int, rope=None, window: int | None = None):
         super().__init__()
         self.cache, self.idx, self.version = cache, idx, 0
+        self.rope = rope  # this layer's Rope, for index_space=content and pick=novel
+        self.window = window  # sliding window (None: full attention)
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
@@ -114,7 +144,7 @@ class ZoomRLayer(KVLayer):
             c.begin_forward(mask, query.shape[2], self.batch, self.device)
         t0 = time.perf_counter()
         if self.version != c.version:
-            self._rebuild()
+            self._rebuild(visible_from(self.seen - query.shape[2], self.window))
         c.overhead_s += time.perf_counter() - t0
         out = self._attention(query, mask, scaling)
         t0 = time.perf_counter()
@@ -122,8 +152,25 @@ class ZoomRLayer(KVLayer):
             self._finalize(b, t)
         if c.any_voting:
             self._vote(query[:, :, -1])
+        if self.window is not None:
+            self._slide()
         c.overhead_s += time.perf_counter() - t0
         return out
+
+    def _slide(self):
+        """Sliding-window layer, after attending: drop what the next query cannot see (the buffer's oldest slots:
+        each row is sorted with its padding in front) and the detail of thoughts that have left the window."""
+        cut = visible_from(self.seen, self.window)
+        self.pos = self.pos.masked_fill(self.pos < cut, -1)
+        drop = int((self.pos < 0).sum(1).min())
+        if drop:
+            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
+            self.pos, self.received = self.pos[:, drop:], self.received[:, drop:]
+        for b, row in enumerate(self.cache.rows):
+            for t, part in enumerate(self.detail[b]):
+                if part is not None and row.thoughts[t][1] <= cut:
+                    self.host_bytes -= sum(tensor_bytes(*x) for x in part)
+                    self.detail[b][t] = None
 
     def _attention(self, query, mask, scaling):
         """query (B, Hq, q, d) over the active buffer -> (B, q, Hq, d)."""
@@ -168,11 +215,11 @@ class ZoomRLayer(KVLayer):
                     score = self.received[b, slots]
                 else:
                     score = self.keys[b, :, slots].norm(dim=-1).sum(0)
-                keep = slots[score.topk(r).indices.sort().values]
+                keep = slots[ranked(score)[:r].sort().values]
         self.summary_pos[b].append(self.pos[b, keep])
         summary = self.keys[b, :, keep]  # (Hkv, r, d)
         if c.content_index:  # index_space=content: the keys as k_proj wrote them, before the rotation
-            summary = unrotate(summary, self.pos[b, keep], c.rope)
+            summary = unrotate(summary, self.pos[b, keep], self.rope)
         self.index[b].append(summary if c.method.index == "max" else summary.mean(1, keepdim=True))  # (Hkv, r or 1, d)
         self.stacked = None
         if c.keep_detail:
@@ -183,8 +230,10 @@ class ZoomRLayer(KVLayer):
         """pick=novel: per token of a finished thought, 1 - the largest cosine of its key with any key on the device
         from before the thought (prompt, earlier summaries), RoPE undone on both, summed over KV heads. Tokens the
         thought shares with what is already kept ("Note", "box") score low; its own content scores high."""
-        rope = self.cache.rope
-        ref = ((self.pos[b] >= 0) & (self.pos[b] < start)).nonzero().squeeze(-1)  # (R,) slots before the thought
+        rope = self.rope
+        rows = self.cache.rows
+        first = rows[b].keep[0][0] if rows else 0  # the row's first real token: its left padding is no reference
+        ref = ((self.pos[b] >= first) & (self.pos[b] < start)).nonzero().squeeze(-1)  # (R,) slots before the thought
         mine = unrotate(self.keys[b, :, slots].float(), self.pos[b, slots], rope)  # (Hkv, n, d)
         if ref.numel() == 0:
             return mine.norm(dim=-1).sum(0)
@@ -193,22 +242,29 @@ class ZoomRLayer(KVLayer):
         return (1 - cos.amax(-1)).sum(0)  # (n,)
 
     def _store(self, k, v):
-        """k, v (Hkv, n, d) -> what the detail tier keeps: dense copies, or dictionary codes (idx int16, coef fp16)."""
-        if self.cache.coder is None:
-            return (self.cache.offload(k),), (self.cache.offload(v),)
-        d_k, d_v, g_k, g_v, mean = self.cache.coder[self.idx]
+        """k, v (Hkv, n, d) -> what the detail tier keeps: dense copies (detail=host), int8 with one scale per
+        vector (detail=int8), or dictionary codes (detail=fadkv: idx int16, coef fp16)."""
+        c = self.cache
+        if c.detail == "host":
+            return (c.offload(k),), (c.offload(v),)
+        if c.detail == "int8":
+            return tuple((c.offload(q), c.offload(scale)) for q, scale in map(quantize_int8, (k, v)))
+        d_k, d_v, g_k, g_v, mean = c.coder[self.idx]
         out = []
         for x, atoms, gram in ((k if mean is None else k - mean[:, None], d_k, g_k), (v, d_v, g_v)):
-            idx, coef = omp(x.float().reshape(-1, self.head_dim), atoms, self.cache.sparsity, gram=gram)
-            out.append((self.cache.offload(idx.to(torch.int16)), self.cache.offload(coef.half())))
+            idx, coef = omp(x.float().reshape(-1, self.head_dim), atoms, c.sparsity, gram=gram)
+            out.append((c.offload(idx.to(torch.int16)), c.offload(coef.half())))
         return tuple(out)
 
     def _load(self, b: int, t: int):
         """Thought t of row b back on the device: (K, V) each (Hkv, n, d)."""
         (k, *kc), (v, *vc) = ([x.to(self.device, non_blocking=True) for x in part] for part in self.detail[b][t])
-        if self.cache.coder is None:
+        c = self.cache
+        if c.detail == "host":
             return k, v
-        d_k, d_v, _, _, mean = self.cache.coder[self.idx]
+        if c.detail == "int8":
+            return dequantize_int8(k, kc[0], self.dtype), dequantize_int8(v, vc[0], self.dtype)
+        d_k, d_v, _, _, mean = c.coder[self.idx]
         shape = (self.kv_heads, -1, self.head_dim)
         k = reconstruct(d_k, k.long(), kc[0]).view(shape)  # codes (Hkv * n, s) -> (Hkv, n, d)
         v = reconstruct(d_v, v.long(), vc[0]).view(shape)
@@ -233,19 +289,32 @@ class ZoomRLayer(KVLayer):
             self.stacked = (keys, valid)
         keys, valid = self.stacked  # (B, Hkv, T, R, d), (B, T, R)
         if c.content_index:  # the query turned back too: content against content, no relative position
-            q = unrotate(q.transpose(0, 1), self.pos[:, -1], c.rope).transpose(0, 1)
+            q = unrotate(q.transpose(0, 1), self.pos[:, -1], self.rope).transpose(0, 1)
         k = keys.repeat_interleave(q.shape[1] // self.kv_heads, dim=1)  # (B, Hq, T, R, d)
         scores = torch.einsum("bhd,bhtrd->bhtr", q, k).masked_fill(~valid[:, None], float("-inf")).amax(-1)  # (B, Hq, T)
         valid = valid.any(-1)  # (B, T)
-        top = scores.topk(min(c.method.k, keys.shape[2]), dim=-1).indices  # (B, Hq, k)
+        if self.window is not None:  # a sliding-window layer votes only for thoughts it can still see
+            cut = visible_from(self.seen, self.window)
+            ends = [[e for _, e in row.thoughts[: valid.shape[1]]] for row in c.rows]
+            ends = torch.tensor([e + [0] * (valid.shape[1] - len(e)) for e in ends], device=valid.device)
+            valid = valid & (ends > cut)
+            scores = scores.masked_fill(~valid[:, None], float("-inf"))
+        top = ranked(scores)[..., : min(c.method.k, keys.shape[2])]  # (B, Hq, k)
         hits = valid.gather(1, top.flatten(1)) & c.voting[:, None]  # (B, Hq*k) only real thoughts, voting rows
         c.tally(top.flatten(1), hits.float())
 
-    def _rebuild(self):
-        """Gather this layer's active context per row from the buffer, loading zoomed thoughts' detail back."""
+    def _rebuild(self, cut: int = 0):
+        """Gather this layer's active context per row from the buffer, loading zoomed thoughts' detail back; positions
+        before `cut` (what a sliding-window layer's queries can no longer see) are left out."""
         c = self.cache
         rows_k, rows_v, rows_p, rows_r = [], [], [], []
         for b, row in enumerate(c.rows):
+            if b not in c.rebuilding:  # this row's zoom set and tail did not move: its buffer stays as it is
+                p = self.pos[b]
+                slots = ((p >= 0) & (p >= cut)).nonzero().squeeze(-1)
+                rows_k.append(self.keys[b, :, slots]), rows_v.append(self.values[b, :, slots])
+                rows_p.append(p[slots]), rows_r.append(self.received[b, slots])
+                continue
             wanted = torch.zeros(self.seen, dtype=torch.bool, device=self.device)
             for s, e in row.keep + [(c.tail_start[b], self.seen)]:
                 wanted[s:e] = True
@@ -254,6 +323,7 @@ class ZoomRLayer(KVLayer):
             for t in row.zoom:
                 s, e = row.thoughts[t]
                 wanted[s:e] = True
+            wanted[:cut] = False
             p = self.pos[b]
             slots = (p >= 0).nonzero().squeeze(-1)
             slots = slots[wanted[p[slots]]]
@@ -282,6 +352,9 @@ class ZoomRLayer(KVLayer):
             self.pos[b, width - n:], self.received[b, width - n:] = rows_p[b], rows_r[b]
         self.version = c.version
 
+    def full_bytes(self, element_size: int) -> int:
+        return 2 * self.batch * self.kv_heads * full_tokens(self.seen, self.window) * self.head_dim * element_size
+
     def memory(self) -> dict[str, int]:
         device = tensor_bytes(self.keys, self.values, self.pos, self.received)
         device += sum(tensor_bytes(*ix) for ix in self.index) + (tensor_bytes(*self.stacked) if self.stacked else 0)
@@ -292,9 +365,9 @@ class ZoomRCache(KVCache):
     """Cache-level state shared by the layers: segmentation (on_step), the vote tally, the zoom sets."""
 
     def __init__(self, method, layers: int, zoom: bool = True, keep_detail: bool = True, coder=None, sparsity=0,
-                 rope=None):
+                 ropes=None, windows=None):
         self.zoom_enabled, self.keep_detail = zoom, keep_detail
-        self.rope = rope  # RoPE frequencies (d/2,), for index_space=content and pick=novel
+        self.detail = getattr(method, "detail", "host")  # how the detail tier stores a thought
         self.content_index = method.index_space == "content"
         self.coder, self.sparsity = coder, sparsity  # per layer (D_k, D_v, G_k, G_v, key mean) for detail=fadkv
         self.method_pick_attention = method.pick == "attention"
@@ -307,9 +380,12 @@ class ZoomRCache(KVCache):
         self.running = None  # (B, T) decayed vote tally (decay > 0)
         self.any_voting = self.next_any = False
         self.tail_start: list[int] = []
+        self.rebuilding: set[int] = set()  # rows whose buffer the current version rebuilds
         self.overhead_s, self.steps, self.selections, self.rebuilds = 0.0, 0, 0, 0
         self.last_zoom: list[list[int]] = []
-        super().__init__([ZoomRLayer(self, i) for i in range(layers)], method)
+        ropes = ropes or [None] * layers  # per layer Rope, for index_space=content and pick=novel
+        windows = windows or [None] * layers  # per layer sliding window
+        super().__init__([ZoomRLayer(self, i, ropes[i], windows[i]) for i in range(layers)], method)
 
     def offload(self, x: torch.Tensor) -> torch.Tensor:
         """A copy of x off the compute device: pinned CPU memory with a non-blocking copy on CUDA."""
@@ -375,12 +451,18 @@ class ZoomRCache(KVCache):
         for b, row in enumerate(self.rows):
             opens = [row.thoughts[t][0] for rb, t in self.next_finishing if rb == b]
             need.append(min([row.cur, max(self.seen - self.method.window, 0)] + opens))
-        if changed or any(n - r.tail_from >= max(self.method.window // 4, 1) for n, r in zip(need, self.rows)):
+        # A row's buffer is rebuilt when its zoom set changed or its tail moved a quarter window, each row on its own
+        # schedule, so a row of a batch keeps exactly what it would keep alone.
+        moved = [b for b, (n, r) in enumerate(zip(need, self.rows))
+                 if b in changed or n - r.tail_from >= max(self.method.window // 4, 1)]
+        if not self.tail_start:
+            self.tail_start = [r.tail_from for r in self.rows]
+        if moved:
             self.version += 1
             self.rebuilds += 1
-            self.tail_start = need
-            for n, row in zip(need, self.rows):
-                row.tail_from = n
+            self.rebuilding = set(moved)
+            for b in moved:
+                self.tail_start[b] = self.rows[b].tail_from = need[b]
         self.finishing, self.next_finishing = self.next_finishing, []
         self.voting, self.next_voting = self.next_voting, torch.zeros_like(self.next_voting)
         self.any_voting = self.next_any
@@ -396,11 +478,12 @@ class ZoomRCache(KVCache):
             self.votes = torch.zeros(len(self.rows), n, device=choices.device)
         self.votes.scatter_add_(1, choices, weights)
 
-    def _select(self) -> bool:
-        """Zoom set of every row that voted in the last forward: the c most-voted thoughts."""
+    def _select(self) -> set[int]:
+        """Zoom set of every row that voted in the last forward: the c most-voted thoughts. Returns the rows whose
+        zoom set changed."""
+        changed: set[int] = set()
         if self.votes is None:
-            return False
-        changed = False
+            return changed
         decay = self.method.decay
         if decay > 0:  # votes of earlier selection points carry over, fading: the zoom set follows a whole question
             old = self.running if self.running is not None else self.votes.new_zeros(len(self.rows), 0)
@@ -414,12 +497,13 @@ class ZoomRCache(KVCache):
                 continue
             if decay > 0:
                 v = self.running[b]
-            top = v.topk(min(self.method.c, v.numel()))
-            zoom = sorted(int(i) for i, s in zip(top.indices, top.values) if s > 0)
+            top = ranked(v)[: self.method.c]  # the c most-voted, ties to the earlier thought
+            zoom = sorted(int(i) for i in top if v[i] > 0)
             self.selections += 1
             self.last_zoom[b] = zoom
             if zoom != row.zoom:
-                row.zoom, changed = zoom, True
+                row.zoom = zoom
+                changed.add(b)
         return changed
 
     def stats(self) -> dict:
@@ -438,6 +522,8 @@ class ZoomRCache(KVCache):
 @dataclass
 class ThoughtOptions(Method):
     """Options shared by zoomr and sumr: segmentation, summaries and the recent tail (not a method by itself)."""
+
+    keeps_prompt = True
 
     summary_mode: str = "pooled"
     pick: str = "norm"
@@ -475,13 +561,14 @@ class ZoomR(ThoughtOptions):
     name = "zoomr"
     summary = "thoughts indexed by summaries; zoom-in to the most-voted thoughts' full KV; detail off the device"
     test_options = {"window": "8", "r": "2", "min_thought": "4", "max_thought": "8"}
+    lossless_options = {"window": "100000"}
     pick: str = "novel"
     r: int = 8
     k: int = 2
     c: int = 2
     select: str = "token"
     decay: float = 0.8
-    detail: str = "host"
+    detail: str = "int8"
     index: str = "mean"
     index_space: str = "content"
     index_norm: str = "centered"
@@ -492,7 +579,7 @@ class ZoomR(ThoughtOptions):
         check_choice("index_norm", self.index_norm, ("none", "centered"))
         check_choice("index_space", self.index_space, ("rotated", "content"))
         check_choice("select", self.select, ("sentence", "thought", "token"))
-        check_choice("detail", self.detail, ("host", "fadkv"))
+        check_choice("detail", self.detail, ("int8", "host", "fadkv"))
         check_positive(k=self.k, c=self.c)
         if not 0 <= self.decay < 1:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
@@ -503,9 +590,12 @@ class ZoomR(ThoughtOptions):
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
-        rope = rope_frequencies(model) if self.index_space == "content" or self.pick == "novel" else None
-        if self.detail == "host":
-            return ZoomRCache(self, layers, rope=rope)
+        ropes = None
+        if self.index_space == "content" or self.pick == "novel":
+            ropes = layer_ropes(model, f"{self.name} index_space=content and pick=novel")
+        windows = attention_windows(model, self.name)
+        if self.detail != "fadkv":
+            return ZoomRCache(self, layers, ropes=ropes, windows=windows)
         from kvzip.methods.fadkv import _prepare
 
         if dictionaries is None:
@@ -513,4 +603,5 @@ class ZoomR(ThoughtOptions):
         if dictionaries.meta.get("keys", "post-rope") != "post-rope":
             raise UserError("zoomr detail=fadkv codes post-RoPE keys: train with `kvzip train-dict --keys post-rope`")
         sparsity = int(dictionaries.meta.get("sparsity", 8))  # the sparsity the dictionary was trained for
-        return ZoomRCache(self, layers, coder=_prepare(dictionaries, model.device), sparsity=sparsity, rope=rope)
+        return ZoomRCache(self, layers, coder=_prepare(dictionaries, model.device), sparsity=sparsity, ropes=ropes,
+                          windows=windows)
