@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-KEY_MODES = ("post-rope", "pre-rope")
+from kvzip.sparse import KEY_MODES
+
 Progress = Callable[[int, int], None]
 
 

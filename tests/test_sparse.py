@@ -8,7 +8,6 @@ from kvzip.sparse import dictionary as dictmod
 from kvzip.sparse.dictionary import DictionaryError, KVDictionary, make_meta
 from kvzip.sparse.learn import learn_dictionary, relative_error
 from kvzip.sparse.omp import gram_matrix, omp, reconstruct
-from kvzip.sparse.prep import center, channel_scale, key_mean, uncenter
 from kvzip.sparse.screen import champions, screen
 
 
@@ -127,15 +126,6 @@ def test_learning_reduces_error_and_is_deterministic(coder):
     assert torch.equal(D, learn_dictionary(X, 64, 3, iters=15, coder=coder, n=12, seed=0))
 
 
-def test_prep_roundtrip_and_scale():
-    K = torch.randn(3, 50, 8) + torch.tensor([5.0, 0, 0, 0, 0, 0, 0, 0])
-    m = key_mean(K)
-    assert center(K, m).mean(1).abs().max() < 1e-5
-    assert torch.allclose(uncenter(center(K, m), m), K, atol=1e-5)
-    c = channel_scale(K)
-    assert c.shape == (8,) and torch.allclose(c[:4], c[4:]) and abs(c.log().mean()) < 1e-5
-
-
 FP = {"architecture": "llama", "num_layers": 2, "num_kv_heads": 3, "head_dim": 8, "rope_theta": 100000.0,
       "config_hash": "abc"}
 
@@ -153,7 +143,6 @@ def test_save_load_roundtrip(tmp_path):
     a.save(p)
     b = KVDictionary.load(p)
     assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.key_mean, b.key_mean)
-    assert b.key_scale is None
     assert b.meta["atoms"] == "16" and b.meta["keys"] == "pre-rope" and b.fingerprint == FP
     assert {k: v for k, v in b.meta.items() if k != "atoms"} == a.meta
     b.check_fingerprint(FP)

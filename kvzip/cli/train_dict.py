@@ -21,9 +21,7 @@ import typer
 from kvzip.cli import display
 from kvzip.cli.options import Device, Dtype, Model, TrustRemoteCode, output_path
 from kvzip.errors import UserError
-
-KEY_MODES = ("post-rope", "pre-rope")
-CODERS = ("screen1", "screen", "omp")
+from kvzip.sparse import CODERS, KEY_MODES
 
 
 def _check(tokens: int, atoms: int, sparsity: int, iters: int, keys: str, coder: str, samples: int,

@@ -7,7 +7,6 @@ A coded token t of one KV head is `idx[t]` (s atom numbers) and `coef[t]` (s coe
   on CPU than gather, multiply and sum as three ops, measured at 8,192 coded tokens).
 - Values: Σ_t w_t v_t = Σ_t w_t Σ_j coef[t,j] D[idx[t,j]] = (Σ over atoms of the weight each atom received) · D.
   Weights are scattered onto atoms (T·s adds) and multiplied by the value dictionary once (N·d).
-`dense_reference` rebuilds every vector and runs plain attention: it exists only so tests can check the two agree.
 
 Coefficients are stored as fp16, or in 8 bits with one fp16 scale per vector (int8: absmax/127; fp8: e4m3, absmax/448).
 """
@@ -84,16 +83,3 @@ def atom_weights(w: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor, n_atoms
     src = (w[..., None] * coef[:, :, None]).reshape(b, h, g, t * s)  # (B, H, G, T*s)
     out = w.new_zeros(b, h, g, n_atoms)
     return out.scatter_add_(-1, idx.reshape(b, h, 1, t * s).expand(b, h, g, t * s), src)
-
-
-def dense_reference(query, d_k, d_v, k_idx, k_coef, v_idx, v_coef, scaling, k_offset=None):
-    """Test-only: rebuild coded keys/values densely and attend. query (B, H, G, d), dictionaries (N, d).
-
-    k_offset (B, H, 1, d) is added to every rebuilt key (the key mean removed before coding). Returns (B, H, G, d).
-    """
-    keys = torch.einsum("bhts,bhtsd->bhtd", k_coef, d_k[k_idx])  # (B, H, T, d)
-    if k_offset is not None:
-        keys = keys + k_offset
-    values = torch.einsum("bhts,bhtsd->bhtd", v_coef, d_v[v_idx])
-    w = torch.softmax((query @ keys.transpose(-1, -2)) * scaling, dim=-1)  # (B, H, G, T)
-    return w @ values

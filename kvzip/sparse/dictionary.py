@@ -4,27 +4,25 @@ A dictionary coded for one model is garbage for another, so the file carries the
 learned on (architecture, layer count, KV heads, head_dim, RoPE base, config hash) and `check_fingerprint` turns a
 mismatch into one clear line. Loading uses safetensors only (no pickle); every way a file can be wrong (missing,
 truncated, not safetensors, tensors missing, other format version) is a `DictionaryError` with one line. Saving
-is atomic: a temp file in the target folder, fsync, os.replace; an interrupted save leaves neither a partial target
-nor the temp file.
+is atomic (kvzip.files.atomic_path): an interrupted save leaves neither a partial target nor the temp file.
 """
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvzip.files import publish
+from kvzip.files import atomic_path
+from kvzip.sparse import KEY_MODES
 
 FORMAT_VERSION = "1"
 FINGERPRINT_KEYS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "rope_theta", "config_hash")
-KEY_MODES = ("pre-rope", "post-rope")
 _REQUIRED = ("keys", "values")
-_OPTIONAL = ("key_mean", "key_scale")
+_OPTIONAL = ("key_mean",)
 
 
 class DictionaryError(ValueError):
@@ -36,14 +34,13 @@ class KVDictionary:
     """keys, values: (L, N, d) unit-norm atoms per layer, shared by the layer's KV heads.
 
     key_mean: optional (L, Hkv, d) per-head key offset subtracted before coding (added back, or dropped where the
-    attention math allows). key_scale: optional (L, d) per-channel key scale (code k / scale, query times scale).
+    attention math allows).
     meta: string metadata; `make_meta` builds the standard keys.
     """
     keys: torch.Tensor
     values: torch.Tensor
     meta: dict[str, str] = field(default_factory=dict)
     key_mean: torch.Tensor | None = None
-    key_scale: torch.Tensor | None = None
 
     def __post_init__(self):
         assert self.keys.dim() == 3 and self.keys.shape == self.values.shape, \
@@ -52,8 +49,6 @@ class KVDictionary:
         if self.key_mean is not None:
             assert self.key_mean.dim() == 3 and self.key_mean.shape[0] == L and self.key_mean.shape[2] == d, \
                 f"key_mean must be (L, Hkv, d), got {tuple(self.key_mean.shape)}"
-        if self.key_scale is not None:
-            assert self.key_scale.shape == (L, d), f"key_scale must be (L, d), got {tuple(self.key_scale.shape)}"
         self.meta = {str(k): str(v) for k, v in self.meta.items()}
 
     @property
@@ -77,27 +72,14 @@ class KVDictionary:
 
         `load` upcasts every tensor to fp32, so a file stored in fp16 loads exactly as its rounded atoms.
         """
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tensors = {"keys": self.keys, "values": self.values}
         if self.key_mean is not None:
             tensors["key_mean"] = self.key_mean
-        if self.key_scale is not None:
-            tensors["key_scale"] = self.key_scale
         tensors = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in tensors.items()}
         meta = {**self.meta, "format_version": FORMAT_VERSION, "atoms": str(self.num_atoms)}
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=folder)
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             save_file(tensors, tmp, metadata=meta)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            publish(tmp, path)
-        except BaseException:                                 # KeyboardInterrupt included: no partial files
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu") -> "KVDictionary":

@@ -21,21 +21,25 @@ from typing import Callable
 
 import torch
 
+from kvzip.sparse import CODERS
 from kvzip.sparse.omp import gram_matrix, omp, reconstruct
-from kvzip.sparse.screen import screen
+from kvzip.sparse.screen import POOL, screen
 
 Progress = Callable[[int, int, dict], None]
-CODERS = ("omp", "screen", "screen1")
+# Norms are clamped to this before dividing by them: a zero vector then has error 0 and a zero atom stays finite.
+TINY_NORM = 1e-12
+# An atom whose least-squares refit has a norm below this carries nothing: it is replaced like an unused one.
+DEAD_NORM = 1e-8
 
 
 def relative_error(X: torch.Tensor, D: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """||x - D c|| / ||x|| per row of X (M, d), codes idx, coef (M, s). Returns (M,) fp32; 0 for zero rows."""
     Xf = X.float()
     err = (Xf - reconstruct(D, idx, coef)).norm(dim=1)       # (M,)
-    return err / Xf.norm(dim=1).clamp_min(1e-12)
+    return err / Xf.norm(dim=1).clamp_min(TINY_NORM)
 
 
-def encode(X: torch.Tensor, D: torch.Tensor, s: int, coder: str = "omp", n: int = 16,
+def encode(X: torch.Tensor, D: torch.Tensor, s: int, coder: str = "omp", n: int = POOL,
            gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Code X (M, d) with the named coder: `omp`, `screen` (two-shot, champion pools: the cache's default) or
     `screen1` (one-shot, exact top-n pool: the plain FAD-KV coder). Returns idx (M, s), coef (M, s)."""
@@ -58,12 +62,12 @@ def _mod_update(X: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor, N: int, 
     A = A.view(N, N)                                                     # (N, N) = CᵀC
     B = X.new_zeros(N, d)
     B.index_add_(0, idx.reshape(-1), (coef.unsqueeze(2) * X.unsqueeze(1)).reshape(-1, d))  # (N, d) = CᵀX
-    lam = ridge * A.diagonal().mean().clamp_min(1e-12)
+    lam = ridge * A.diagonal().mean().clamp_min(TINY_NORM)
     return torch.linalg.solve(A + lam * torch.eye(N, dtype=A.dtype, device=A.device), B)  # (N, d)
 
 
 @torch.no_grad()
-def learn_dictionary(X: torch.Tensor, n_atoms: int, s: int, iters: int, coder: str = "omp", n: int = 16,
+def learn_dictionary(X: torch.Tensor, n_atoms: int, s: int, iters: int, coder: str = "omp", n: int = POOL,
                      seed: int = 0, progress: Progress | None = None, min_use: int = 2,
                      ridge: float = 1e-4) -> torch.Tensor:
     """Learn N = n_atoms unit-norm atoms (N, d) for the rows of X (M, d).
@@ -94,12 +98,12 @@ def learn_dictionary(X: torch.Tensor, n_atoms: int, s: int, iters: int, coder: s
         newD = _mod_update(Xf, idx, coef.float(), n_atoms, ridge)        # (N, d)
         use = torch.bincount(idx.reshape(-1), minlength=n_atoms)         # (N,)
         nrm = newD.norm(dim=1)
-        dead = ((use < min_use) | (nrm < 1e-8)).nonzero().squeeze(1)     # (r,)
-        newD = newD / nrm.clamp_min(1e-12).unsqueeze(1)
+        dead = ((use < min_use) | (nrm < DEAD_NORM)).nonzero().squeeze(1)  # (r,)
+        newD = newD / nrm.clamp_min(TINY_NORM).unsqueeze(1)
         if dead.numel():
             worst = rel.topk(min(dead.numel(), M)).indices               # (r,) worst-represented vectors
             r = resid[worst]
-            r = r / r.norm(dim=1, keepdim=True).clamp_min(1e-12)
+            r = r / r.norm(dim=1, keepdim=True).clamp_min(TINY_NORM)
             newD[dead[:worst.numel()]] = r
         D = newD
         if progress is not None:

@@ -28,6 +28,9 @@ from kvzip.sparse.omp import (_check, default_chunk, gram_entries, gram_matrix, 
 
 SHOTS = (1, 2)
 PICKS = ("champions", "top")
+# Atoms in the first screening pool unless a caller says otherwise: fadkv's `pool` default, where pools of 8 cost
+# 1.09-1.15x OMP's error and larger pools cost time for little gain (docs/fadkv.md, "Why the defaults").
+POOL = 16
 
 
 def top_abs(c: torch.Tensor, n: int, groups: int = 128) -> torch.Tensor:
@@ -90,7 +93,7 @@ def _second_shot(xc, Df, G, first, a, state, n, pick, work):
 
 
 @torch.no_grad()
-def screen(x: torch.Tensor, D: torch.Tensor, s: int, n: int = 16, gram: torch.Tensor | None = None,
+def screen(x: torch.Tensor, D: torch.Tensor, s: int, n: int = POOL, gram: torch.Tensor | None = None,
            shots: int = 2, pick: str = "champions", n2: int | None = None,
            chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Code x (M, d) with s atoms of D (N, d, unit-norm rows) chosen from top-n screening pools.
