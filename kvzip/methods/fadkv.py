@@ -36,15 +36,13 @@ from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
 from kvzip.rope import (attention_windows, as_rope, full_tokens, layer_ropes, phasors, to_pairs, turn_pairs,
                         visible_from)
-from kvzip.sparse import attention as coded
+from kvzip.sparse import CACHE_CODERS as CODERS, KEY_OPTIONS as KEY_MODES, attention as coded
 from kvzip.sparse.omp import gram_matrix, omp, reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS, screen
 
 ADAPT = ("fixed", "append", "none")
-KEY_MODES = ("auto", "pre-rope", "post-rope")
 # pre-RoPE scores rebuild at most this many coded keys at a time (per row and KV head): never a dense copy of the past
 SCORE_CHUNK = 2048
-CODERS = ("screen", "omp")
 
 
 class _Overlay:
