@@ -6,15 +6,16 @@ so the cached sequence is what a full re-templating would produce (templates tha
 any conversation, as SmolLM2's does, would otherwise repeat it on every turn). Two details keep the cache and the
 history in step:
 
-- the engine never feeds the last sampled token (`<|im_end|>` for ChatML models, or the token that hit
-  --max-new-tokens); the next turn's new ids start with whatever of the answer is not in the cache yet, then the
+- the engine never feeds the last sampled token (`<|im_end|>` for ChatML models, or the token that used up
+  `max_new_tokens`); the next turn's new ids start with whatever of the answer is not in the cache yet, then the
   template text that closes the answer and opens the next user turn;
 - a stop request (Ctrl-C) is acted on only at a `Step` event, after a forward has finished, so every answer token
   kept in the history is in the cache. The partial answer stays in the history, marked "interrupted".
 
 When the template would rewrite earlier turns (the rendered text no longer starts with the cached text), when the
 method changes, or when old turns are evicted to make room, the session rebuilds: a fresh cache, the history
-prefilled in chunks with a progress callback. Library code: no printing; the CLI (kvzip/cli/chat.py) draws.
+prefilled in chunks with a progress callback. Library code: no printing, and errors in the session's own terms
+(`on_full`, `max_new_tokens`); the CLI (kvzip/cli/chat.py) draws, and words a `ContextFull` with its flags.
 """
 
 from __future__ import annotations
@@ -32,10 +33,38 @@ from kvzip.methods.base import Method, kv_report
 
 PREFILL_CHUNK = 256  # tokens per forward when the history is re-prefilled (the progress bar advances per chunk)
 ON_FULL = ("stop", "evict")
+# Why a turn did not fit (ContextFull.reason): no room after the cached history (on_full="stop"), the message and a
+# whole answer exceed the context on their own, or they still do with every earlier exchange evicted.
+NO_ROOM, TOO_LONG, EVICTED_ALL = "no_room", "too_long", "evicted_all"
 
 
 class ContextFull(Exception):
-    """The next turn does not fit in the model's context and --on-full is stop; the session is unchanged."""
+    """The next turn does not fit in the model's context; the session is unchanged.
+
+    `reason` is NO_ROOM, TOO_LONG or EVICTED_ALL, with the token counts behind it, so that a front end can give the
+    advice in its own words (`words`); str() gives it in the session's terms."""
+
+    def __init__(self, reason: str, limit: int, message_tokens: int = 0, context_tokens: int = 0):
+        self.reason, self.limit = reason, limit
+        self.message_tokens, self.context_tokens = message_tokens, context_tokens
+        super().__init__(self.words(reset="reset the session (or open it with on_full='evict')",
+                                    budget="max_new_tokens"))
+
+    def words(self, reset: str, budget: str) -> str:
+        """The one-line message, with `reset` saying how to start over and `budget` naming the answer's token limit."""
+        if self.reason == NO_ROOM:
+            return (f"context full: {self.context_tokens} tokens in context + {self.message_tokens} for this message "
+                    f"leave no room in the model's {self.limit}; {reset}")
+        if self.reason == TOO_LONG:
+            return (f"this message alone ({self.message_tokens} tokens + {budget}) exceeds the model's context of "
+                    f"{self.limit} tokens: shorten it or lower {budget}")
+        return (f"this message does not fit in the model's context of {self.limit} tokens even with every earlier "
+                f"turn evicted: shorten it or lower {budget}")
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer can render a conversation (a base model's has no template: it continues raw text)."""
+    return getattr(tokenizer, "chat_template", None) is not None
 
 
 @dataclass
@@ -90,9 +119,10 @@ class ChatSession:
     def __init__(self, model, tokenizer, method: Method, dictionaries=None, settings: engine.Settings | None = None,
                  system: str | None = None, on_full: str = "stop"):
         if on_full not in ON_FULL:
-            raise UserError(f"--on-full must be one of: {', '.join(ON_FULL)}; got {on_full!r}")
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise UserError("this model's tokenizer has no chat template, so it cannot chat: use `kvzip generate --raw`")
+            raise UserError(f"on_full must be one of {', '.join(ON_FULL)}, got {on_full!r}")
+        if not has_chat_template(tokenizer):
+            raise UserError("this model's tokenizer has no chat template, so it cannot chat: give it raw text to "
+                            "continue instead")
         self.model, self.tokenizer = model, tokenizer
         self.method, self.dictionaries = method, dictionaries
         self.settings = settings or engine.Settings()
@@ -152,7 +182,7 @@ class ChatSession:
         return past + new + self.settings.max_new_tokens <= self.limit
 
     def _plan(self, user: str) -> tuple[list[int], str, str]:
-        """(ids to feed, full rendered text, why a rebuild is needed or ""). May evict old turns (--on-full evict)."""
+        """(ids to feed, full rendered text, why a rebuild is needed or ""). May evict old turns (on_full="evict")."""
         full = self._render(self.messages + [{"role": "user", "content": user}])
         if self.ids and full.startswith(self.rendered):
             new = self.pending + self._tokens(full[len(self.rendered):])
@@ -162,25 +192,20 @@ class ChatSession:
                 room = self.limit - len(self.ids) - len(new)
                 if room >= 1:
                     return new, full, ""  # the answer is shortened to the room left; turn() says so
-                raise ContextFull(
-                    f"context full: {len(self.ids)} tokens in context + {len(new)} for this message leave no room "
-                    f"in the model's {self.limit}; /reset to start over (or restart with --on-full evict)"
-                )
+                raise ContextFull(NO_ROOM, self.limit, len(new), len(self.ids))
         elif not self.ids:
             new = self._tokens(full)
             if self._fits(0, len(new)):
                 return new, full, ""
-            raise ContextFull(f"this message alone ({len(new)} tokens + --max-new-tokens) exceeds the model's "
-                              f"context of {self.limit} tokens: shorten it or lower --max-new-tokens")
+            raise ContextFull(TOO_LONG, self.limit, len(new))
         else:
             return self._tokens(full), full, "the chat template rewrites earlier turns"
-        # --on-full evict: drop the oldest exchanges until the history, this message and a full answer fit.
+        # on_full="evict": drop the oldest exchanges until the history, this message and a full answer fit.
         dropped = 0
         while True:
             first = next((i for i, m in enumerate(self.messages) if m["role"] != "system"), None)
             if first is None or len(self.messages) - first < 2:
-                raise ContextFull(f"this message does not fit in the model's context of {self.limit} tokens "
-                                  "even with every earlier turn evicted: shorten it or lower --max-new-tokens")
+                raise ContextFull(EVICTED_ALL, self.limit)
             del self.messages[first : first + 2]
             dropped += 1
             full = self._render(self.messages + [{"role": "user", "content": user}])

@@ -95,13 +95,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVZIP_CACHE", Path.home() / ".cache" / "kvzip"))
 
 
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def resolve_device(device: str) -> torch.device:
-    if device not in ("auto", "cpu", "cuda"):
-        raise UserError(f"unknown --device '{device}': use auto, cpu or cuda")
+    """`auto`: CUDA when torch sees a GPU, else the CPU; or the device named (UserError when it is not there)."""
+    if device not in DEVICES:
+        raise UserError(f"unknown device '{device}': use one of {', '.join(DEVICES)}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but no CUDA GPU is visible to torch; use --device cpu")
+        raise UserError("device cuda was asked for, but no CUDA GPU is visible to torch: use cpu (or auto, which "
+                        "takes a GPU when there is one)")
     return torch.device(device)
 
 
@@ -118,12 +124,11 @@ def native_bf16(device: torch.device) -> bool:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto`: bf16 where the hardware runs it natively, else fp32; or the dtype named."""
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype == "auto":
         return torch.bfloat16 if native_bf16(device) else torch.float32
-    if dtype not in table:
-        raise UserError(f"unknown --dtype '{dtype}': use auto, float32, bfloat16 or float16")
-    return table[dtype]
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype '{dtype}': use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def _package_dir(module: str) -> Path | None:

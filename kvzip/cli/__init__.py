@@ -20,6 +20,7 @@ from kvzip.cli import bench as _bench
 from kvzip.cli import chat as _chat
 from kvzip.cli import generate as _generate
 from kvzip.cli import train_dict as _train_dict
+from kvzip.cli.options import cli_words
 from kvzip.errors import UserError
 
 HELP = "kvzip: run LLM reasoning with a compressed KV cache (FAD-KV dictionaries, ZoomR thought retrieval)."
@@ -62,7 +63,7 @@ def main(args: list[str] | None = None) -> None:
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
         _fail(" ".join(exc.format_message().split()) + hint, exc.exit_code)
     except UserError as exc:
-        _fail(" ".join(str(exc).split()))
+        _fail(" ".join(cli_words(exc).split()))
     except (typer.Abort, KeyboardInterrupt):  # Abort: end of input at a prompt
         print("kvzip: interrupted", file=sys.stderr)
         code = 130

@@ -22,7 +22,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import DictPath, Device, Dtype, Model, TrustRemoteCode, dict_file, output_path
+from kvzip.cli.options import DictPath, Device, Dtype, Model, TrustRemoteCode, check_device, dict_file, output_path
 from kvzip.errors import UserError
 from kvzip.files import atomic_path, write_atomic
 
@@ -130,6 +130,7 @@ def bench(
     if dict_path is not None and not any(s.build().needs_dictionary for s in settings):
         raise UserError("--dict is for methods that use a dictionary; none of these settings uses one")
     json_path, plot_path = output_path(json_path, "--json"), output_path(plot_path, "--plot")
+    check_device(device, dtype)
 
     from kvzip.models import load_model
 

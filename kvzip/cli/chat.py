@@ -17,8 +17,8 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import (DictPath, Device, Dtype, MethodName, Model, Opts, Seed, TrustRemoteCode, check_sampling,
-                               dict_file, parse_opts)
+from kvzip.cli.options import (DictPath, Device, Dtype, MethodName, Model, Opts, Seed, Temperature, TopK, TopP,
+                               TrustRemoteCode, check_device, check_sampling, cli_words, dict_file, parse_opts)
 from kvzip.errors import UserError
 from kvzip.files import check_writable, write_atomic
 
@@ -90,7 +90,8 @@ def _turn(session, text: str, compact: bool) -> None:
                 elif isinstance(event, engine.Step):
                     view.update(lambda: session.snapshot(event.memory))
     except ContextFull as exc:
-        display.console.print(f"[yellow]{exc}[/yellow]", markup=True)
+        line = exc.words(reset="/reset to start over (or restart with --on-full evict)", budget="--max-new-tokens")
+        display.console.print(f"[yellow]{line}[/yellow]", markup=True)
     finally:
         bar.close()
         if view is not None:
@@ -174,7 +175,7 @@ def chat_loop(session, dictionaries_for: Callable = lambda method: None, compact
             else:
                 _turn(session, line[1:] if line.startswith("//") else line, compact)
         except UserError as exc:
-            display.console.print(f"error: {exc}", markup=False, soft_wrap=True)
+            display.console.print(f"error: {cli_words(exc)}", markup=False, soft_wrap=True)
 
 
 def chat(
@@ -184,9 +185,9 @@ def chat(
     dict_path: DictPath = None,
     system: Annotated[Optional[str], typer.Option(help="System message (default: the chat template's own).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = 256,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens; 0 is off.")] = 0,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
     seed: Seed = None,
     compact: Annotated[bool, typer.Option(help="One-line live panel, for narrow terminals.")] = False,
     on_full: Annotated[str, typer.Option(help="When the context fills: stop (refuse further turns) or evict "
@@ -199,7 +200,7 @@ def chat(
     check_sampling(max_new_tokens, temperature, top_p, top_k)
     dict_path = dict_file(dict_path)  # for every dictionary method of the session (at start or after /method)
     from kvzip import engine
-    from kvzip.chat import ON_FULL, ChatSession
+    from kvzip.chat import ON_FULL, ChatSession, has_chat_template
     from kvzip.dictfiles import dictionaries_for
     from kvzip.methods import get_method
     from kvzip.models import load_model
@@ -208,7 +209,10 @@ def chat(
         raise UserError(f"--on-full must be one of: {', '.join(ON_FULL)}; got {on_full!r}")
     cache_method = get_method(method, parse_opts(opt))
     settings = engine.Settings(max_new_tokens, temperature, top_p, top_k, seed)
+    check_device(device, dtype)
     lm, tokenizer, source = load_model(model, device, dtype, trust_remote_code)
+    if not has_chat_template(tokenizer):
+        raise UserError("this model's tokenizer has no chat template, so it cannot chat: use `kvzip generate --raw`")
     dicts = lambda m: dictionaries_for(m, lm, source, dict_path)  # noqa: E731
     session = ChatSession(lm, tokenizer, cache_method, dicts(cache_method), settings, system, on_full)
     chat_loop(session, dicts, compact, source.name)

@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import (DictPath, Device, Dtype, MethodName, Model, Opts, Seed, TrustRemoteCode, check_sampling,
-                               dict_file, output_path, parse_opts)
+from kvzip.cli.options import (DictPath, Device, Dtype, MethodName, Model, Opts, Seed, Temperature, TopK, TopP,
+                               TrustRemoteCode, check_device, check_sampling, dict_file, output_path, parse_opts)
 from kvzip.errors import UserError
 from kvzip.files import write_atomic
 
@@ -56,9 +56,9 @@ def generate(
     opt: Opts = None,
     dict_path: DictPath = None,
     max_new_tokens: Annotated[int, typer.Option(help="Stop after this many new tokens.")] = 256,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens; 0 is off.")] = 0,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
     seed: Seed = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string, repeatable.")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating past end-of-sequence (for benchmarks).")] = False,
@@ -99,6 +99,7 @@ def generate(
     cache_method = get_method(method, parse_opts(opt))
     if dict_path is not None and not cache_method.needs_dictionary:
         raise UserError(f"--dict is for methods that use a dictionary; '{cache_method.name}' with these options uses none")
+    check_device(device, dtype)
 
     from kvzip import engine
     from kvzip.dictfiles import dictionaries_for

@@ -1,11 +1,14 @@
 """Options shared by several commands, defined once as Annotated aliases, and the checks every command runs on them
-before any model work: `--opt key=value` parsing, sampling flags, output paths and `--dict` files, each worded with
-the flag the user typed."""
+before any model work: `--opt key=value` parsing, sampling flags, device and dtype, output paths and `--dict` files.
+
+The library states an error in its own terms (a path, a device name); the checks here call it and put the flag the
+user typed in front, so a message says both what is wrong and where it came from."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, TypeVar
 
 import typer
 
@@ -19,6 +22,30 @@ Opts = Annotated[Optional[list[str]], typer.Option("--opt", help="Method option 
 DictPath = Annotated[Optional[Path], typer.Option("--dict", help="Dictionary file for dictionary methods (default: the one shipped for the model).")]
 TrustRemoteCode = Annotated[bool, typer.Option(help="Allow a hub model's own Python code to run.")]
 Seed = Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling (default: none, unseeded).")]
+Temperature = Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")]
+TopP = Annotated[float, typer.Option(help="Nucleus sampling mass.")]
+TopK = Annotated[int, typer.Option(help="Sample among the k most likely tokens; 0 is off.")]
+
+T = TypeVar("T")
+
+
+def flagged(flag: str, check: Callable[..., T], *args) -> T:
+    """`check(*args)`, a library check, with its UserError prefixed by the flag whose value it checked."""
+    try:
+        return check(*args)
+    except UserError as exc:
+        raise UserError(f"{flag}: {exc}") from None
+
+
+def cli_words(exc: UserError) -> str:
+    """A library error as the command line says it: where the library's advice names its own terms (a dictionary
+    to make and where), the advice with the command and flags to use; any other error as it is."""
+    from kvzip.dictfiles import MissingDictionary
+
+    if isinstance(exc, MissingDictionary):
+        return (f"method '{exc.method}' needs a dictionary and {exc.path} does not exist: train one with "
+                f"`kvzip train-dict --model {exc.model} --keys {exc.keys} --out {exc.path}` or pass --dict")
+    return str(exc)
 
 
 def parse_opts(opts: list[str] | None) -> dict[str, str]:
@@ -45,23 +72,21 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k:
 
 def output_path(path: Path | None, flag: str) -> Path | None:
     """`path` once a file can be published there (kvzip.files.check_writable), the error naming `flag`."""
-    if path is None:
-        return None
     from kvzip.files import check_writable
 
-    try:
-        return check_writable(path)
-    except UserError as exc:
-        raise UserError(f"{flag}: {exc}") from None
+    return None if path is None else flagged(flag, check_writable, path)
 
 
 def dict_file(path: Path | None) -> Path | None:
     """`--dict` once it names an existing file (not a directory)."""
-    if path is None:
-        return None
     from kvzip.dictfiles import check_dictionary_file
 
-    try:
-        return check_dictionary_file(path)
-    except UserError as exc:
-        raise UserError(f"--dict: {exc}") from None
+    return None if path is None else flagged("--dict", check_dictionary_file, path)
+
+
+def check_device(device: str, dtype: str) -> None:
+    """`--device` and `--dtype` as kvzip.models resolves them (a GPU asked for must be visible), before the model
+    loads. Imports torch: call it after the checks that need no torch."""
+    from kvzip.models import resolve_device, resolve_dtype
+
+    flagged("--dtype", resolve_dtype, dtype, flagged("--device", resolve_device, device))

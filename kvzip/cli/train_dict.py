@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import Device, Dtype, Model, TrustRemoteCode, output_path
+from kvzip.cli.options import Device, Dtype, Model, TrustRemoteCode, check_device, output_path
 from kvzip.errors import UserError
 from kvzip.sparse import CODERS, KEY_MODES
 
@@ -92,6 +92,7 @@ def train_dict(
     """Learn per-layer key and value dictionaries for a model and save them (safetensors, atomic)."""
     _check(tokens, atoms, sparsity, iters, keys, coder, samples, holdout)
     out = _out_path(out, model, keys)
+    check_device(device, dtype)
     command = " ".join(["kvzip", "train-dict", *sys.argv[sys.argv.index("train-dict") + 1:]]) \
         if "train-dict" in sys.argv else "kvzip train-dict (called from Python)"
     try:
