@@ -142,8 +142,9 @@ def layer_ropes(model, what: str) -> list[Rope]:
 
 def attention_windows(model, what: str | None = None) -> list[int | None]:
     """Each layer's sliding window (tokens a query sees, itself included) or None for full attention, by the rule
-    transformers' own cache follows. With `what`, layer types other than these two (chunked, linear attention) are
-    refused in one line naming them; without it they count as sliding with their chunk or window size."""
+    transformers' own cache follows. With `what` (a method that attends itself), layer types other than these two
+    (chunked, linear attention) and soft-capped attention logits are refused in one line naming them; without it
+    other types count as sliding with their chunk or window size."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     cfg = model.config.get_text_config(decoder=True)
@@ -152,6 +153,9 @@ def attention_windows(model, what: str | None = None) -> list[int | None]:
     if what is not None and other:
         raise UserError(f"{what} handles full-attention and sliding-window layers; this model also has "
                         f"{', '.join(other)} layers")
+    if what is not None and getattr(cfg, "attn_logit_softcapping", None):  # Gemma 2: tanh-capped attention logits
+        raise UserError(f"{what} computes attention without logit soft-capping; this model caps its attention "
+                        "logits (attn_logit_softcapping)")
     return [kw.get("sliding_window") if t != "full_attention" else None for t, kw in zip(types, kwargs)]
 
 

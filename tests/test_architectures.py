@@ -251,3 +251,32 @@ def test_zoomr_content_index_is_the_mean_of_each_layers_content_keys(name):
             torch.testing.assert_close(layer.index[0][t].float(), want, atol=1e-4, rtol=1e-4)
             checked += 1
     assert checked >= len(cache.layers)  # every layer indexed at least one thought
+
+
+@pytest.mark.parametrize("method_name", METHOD_NAMES)
+def test_a_method_that_attends_itself_refuses_soft_capped_logits(method_name):
+    """Gemma 2 caps its attention logits with tanh: a method computing attention itself would silently drop the cap,
+    so it refuses in one line; the others leave attention to transformers (as `full` does) and run."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(num_hidden_layers=2, head_dim=16, **COMMON)).eval()
+    model.set_attn_implementation(kvzip.attention.ATTN_IMPLEMENTATION)
+    method = tiny_method(method_name)
+    try:
+        cache = method.make_cache(model, None if not method.needs_dictionary else _gemma2_dictionaries(model))
+    except UserError as exc:
+        reasons = ("soft-capping", "sliding-window layers", "optimum-quanto")  # Gemma 2 also alternates windows
+        assert "\n" not in str(exc) and any(r in str(exc) for r in reasons), exc
+        return
+    assert not any(hasattr(layer, "attend") for layer in cache.layers), method_name
+
+
+def _gemma2_dictionaries(model):
+    from kvzip.models import model_fingerprint
+    from kvzip.sparse.dictionary import KVDictionary, make_meta
+
+    layers, _, head_dim = model_layout(model)
+    atoms = torch.nn.functional.normalize(torch.randn(layers, 32, head_dim), dim=-1)
+    return KVDictionary(keys=atoms, values=atoms.clone(),
+                        meta=make_meta(model_fingerprint(model.config), s=4, keys="post-rope", source="random", tokens=0))
