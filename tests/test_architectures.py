@@ -280,3 +280,26 @@ def _gemma2_dictionaries(model):
     atoms = torch.nn.functional.normalize(torch.randn(layers, 32, head_dim), dim=-1)
     return KVDictionary(keys=atoms, values=atoms.clone(),
                         meta=make_meta(model_fingerprint(model.config), s=4, keys="post-rope", source="random", tokens=0))
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_whose_angles_follow_the_sequence_length_is_refused(rope_type):
+    """Dynamic NTK (a Llama here) and LongRoPE (a Phi-3) recompute the frequencies inside the model's forward from
+    the current length, so a key cached at one length cannot be turned back later: zoomr's content index refuses in
+    one line naming the rope type; a method that never turns keys runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    if rope_type == "dynamic":
+        params = {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0}
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, rope_parameters=params, **COMMON))
+    else:
+        half = 16 // 2 // 2  # partial_rotary_factor 0.5 of head_dim 16: 4 frequencies
+        params = {"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5,
+                  "short_factor": [1.0] * half, "long_factor": [2.0] * half, "original_max_position_embeddings": 64}
+        model = Phi3ForCausalLM(Phi3Config(num_hidden_layers=2, rope_parameters=params, **COMMON))
+    model.set_attn_implementation(kvzip.attention.ATTN_IMPLEMENTATION)
+    with pytest.raises(UserError, match=f"rope_type '{rope_type}'") as refused:
+        tiny_method("zoomr").make_cache(model.eval())
+    assert "\n" not in str(refused.value)
+    tiny_method("window").make_cache(model)
