@@ -33,6 +33,7 @@ from kvzip.methods.base import Method, kv_report
 
 PREFILL_CHUNK = 256  # tokens per forward when the history is re-prefilled (the progress bar advances per chunk)
 ON_FULL = ("stop", "evict")
+NO_LIMIT = 1 << 30  # the context of a model whose config states none: no limit a chat can reach
 # Why a turn did not fit (ContextFull.reason): no room after the cached history (on_full="stop"), the message and a
 # whole answer exceed the context on their own, or they still do with every earlier exchange evicted.
 NO_ROOM, TOO_LONG, EVICTED_ALL = "no_room", "too_long", "evicted_all"
@@ -127,7 +128,7 @@ class ChatSession:
         self.method, self.dictionaries = method, dictionaries
         self.settings = settings or engine.Settings()
         self.system, self.on_full = system, on_full
-        self.limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.limit = getattr(model.config, "max_position_embeddings", None) or NO_LIMIT
         self.meter = Throughput()
         self.reset()
 

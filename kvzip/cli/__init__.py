@@ -23,6 +23,7 @@ from kvzip.cli import train_dict as _train_dict
 from kvzip.cli.options import cli_words
 from kvzip.errors import UserError
 
+HELP_WIDTH = 120  # help wraps at the terminal's width, but at most this: lines a reader's eye can follow
 HELP = "kvzip: run LLM reasoning with a compressed KV cache (FAD-KV dictionaries, ZoomR thought retrieval)."
 
 app = typer.Typer(
@@ -30,7 +31,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
-    context_settings={"max_content_width": 120},
+    context_settings={"max_content_width": HELP_WIDTH},
 )
 app.command("generate")(_generate.generate)
 app.command("train-dict")(_train_dict.train_dict)

@@ -9,7 +9,7 @@ Thin: check the flags, load the model, call `kvzip.bench.run_bench` with a progr
     kvzip bench --model qwen2.5-coder-0.5b --methods full,fadkv,zoomr,hf-int4 --workloads reasoning \
         --prompts 50 --json gsm8k.json                     # GSM8K accuracy on a model that can solve it
     kvzip bench --methods full,window --method-set "window:window=256" --method-set "window:window=1024,sinks=8"
-    kvzip bench --methods full,hf-int4 --opt hf-int4.residual_length=64 --workloads ppl,speed --contexts 1024,4096
+    kvzip bench --methods full,hf-int4 --opt hf-int4.residual_length=64 --workloads output,speed --contexts 1024,4096
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from kvzip.cli import display
 from kvzip.cli.options import DictPath, Device, Dtype, Model, TrustRemoteCode, check_device, dict_file, output_path
 from kvzip.errors import UserError
 from kvzip.files import atomic_path, write_atomic
+
+LOG_WIDTH = 150  # columns of the table in a pipe or log: every column of a run with all workloads fits
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -150,7 +152,7 @@ def bench(
         data = run_bench(lm, tokenizer, source, settings, cfg, dict_path, on_progress)
     data["command"] = "kvzip bench " + " ".join(_argv())
     if not display.out.is_terminal:  # a pipe or log gets the whole table, not one squeezed to 80 columns
-        display.out.width = max(display.out.width, 150)
+        display.out.width = max(display.out.width, LOG_WIDTH)
     display.out.print(_table(data))
     for note in data["skipped"]:
         display.console.print(f"[yellow]skipped[/yellow] {note['label']}{' ' + note['workload'] if 'workload' in note else ''}: {note['reason']}")

@@ -23,6 +23,8 @@ from kvzip.cli.options import Device, Dtype, Model, TrustRemoteCode, check_devic
 from kvzip.errors import UserError
 from kvzip.sparse import CODERS, KEY_MODES
 
+MAX_HOLDOUT = 0.9  # held-out share of each document: at least a tenth of every document is left to learn from
+
 
 def _check(tokens: int, atoms: int, sparsity: int, iters: int, keys: str, coder: str, samples: int,
            holdout: float) -> None:
@@ -30,8 +32,8 @@ def _check(tokens: int, atoms: int, sparsity: int, iters: int, keys: str, coder:
         raise UserError(f"--keys must be one of {', '.join(KEY_MODES)}, got {keys!r}")
     if coder not in CODERS:
         raise UserError(f"--coder must be one of {', '.join(CODERS)}, got {coder!r}")
-    if not 0 < holdout < 0.9:
-        raise UserError(f"--holdout must be a fraction in (0, 0.9), got {holdout}")
+    if not 0 < holdout < MAX_HOLDOUT:
+        raise UserError(f"--holdout must be a fraction in (0, {MAX_HOLDOUT}), got {holdout}")
     for name, value, low in (("--tokens", tokens, 1), ("--atoms", atoms, 2), ("--iters", iters, 1),
                              ("--sparsity", sparsity, 1), ("--samples", samples, 1)):
         if value < low:

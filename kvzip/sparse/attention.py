@@ -18,6 +18,9 @@ import torch
 from kvzip.sparse.omp import reconstruct
 
 COEF_FORMATS = ("fp16", "int8", "fp8")
+INT8_MAX = 127  # the largest int8 magnitude both signs reach: a vector's largest coefficient is stored as +-127
+FP8_MAX = 448  # the largest finite float8 e4m3 value: a vector's largest coefficient is stored as +-448
+FP16_TINY = 2.0 ** -24  # the smallest positive fp16 (subnormal): a scale rounded to fp16 never becomes 0
 
 
 def quantize(coef: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -26,17 +29,17 @@ def quantize(coef: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor |
         return coef.half(), None
     amax = coef.abs().amax(-1, keepdim=True).float()  # (..., 1)
     if fmt == "int8":
-        scale = _half_scale(amax / 127)
-        return (coef.float() / scale.float()).round().clamp(-127, 127).to(torch.int8), scale
+        scale = _half_scale(amax / INT8_MAX)
+        return (coef.float() / scale.float()).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
     if fmt == "fp8":
-        scale = _half_scale(amax / 448)
+        scale = _half_scale(amax / FP8_MAX)
         return (coef.float() / scale.float()).to(torch.float8_e4m3fn), scale
     raise ValueError(f"coefficient format {fmt!r} is not one of {', '.join(COEF_FORMATS)}")
 
 
 def _half_scale(scale: torch.Tensor) -> torch.Tensor:
     """A per-vector scale as fp16, never 0: an all-zero code (a padding token's zero key) would otherwise divide 0 by 0."""
-    return scale.clamp(min=2.0 ** -24).half()
+    return scale.clamp(min=FP16_TINY).half()
 
 
 def dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:

@@ -35,10 +35,15 @@ def gram_entries(G: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     return G.reshape(-1).index_select(0, idx.reshape(-1)).view(idx.shape)
 
 
+# fp32 elements of a coder's per-chunk workspace: 8 MB on a CPU (measured faster than larger chunks: it stays in
+# cache), 1 GB on an accelerator (few large kernels); never fewer than MIN_CHUNK rows.
+CPU_WORKSPACE, DEVICE_WORKSPACE, MIN_CHUNK = 2 ** 21, 2 ** 28, 64
+
+
 def default_chunk(device: torch.device, per_row: int) -> int:
     """Rows per chunk so that a (chunk, per_row) fp32 workspace is ~8 MB on CPU, ~1 GB on an accelerator."""
-    budget = 2 ** 21 if torch.device(device).type == "cpu" else 2 ** 28
-    return max(64, budget // max(per_row, 1))
+    budget = CPU_WORKSPACE if torch.device(device).type == "cpu" else DEVICE_WORKSPACE
+    return max(MIN_CHUNK, budget // max(per_row, 1))
 
 
 def _check(x: torch.Tensor, D: torch.Tensor, s: int, gram: torch.Tensor | None) -> None:
