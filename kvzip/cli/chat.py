@@ -18,7 +18,8 @@ import typer
 
 from kvzip.cli import display
 from kvzip.cli.options import (DictPath, Device, Dtype, MethodName, Model, Opts, Seed, Temperature, TopK, TopP,
-                               TrustRemoteCode, check_device, check_sampling, cli_words, dict_file, parse_opts)
+                               TrustRemoteCode, check_choice, check_device, check_sampling, cli_words, dict_file,
+                               parse_opts)
 from kvzip.errors import UserError
 from kvzip.files import check_writable, write_atomic
 
@@ -205,8 +206,7 @@ def chat(
     from kvzip.methods import get_method
     from kvzip.models import load_model
 
-    if on_full not in ON_FULL:
-        raise UserError(f"--on-full must be one of: {', '.join(ON_FULL)}; got {on_full!r}")
+    check_choice("--on-full", on_full, ON_FULL)
     cache_method = get_method(method, parse_opts(opt))
     settings = engine.Settings(max_new_tokens, temperature, top_p, top_k, seed)
     check_device(device, dtype)

@@ -58,6 +58,12 @@ def parse_opts(opts: list[str] | None) -> dict[str, str]:
     return parsed
 
 
+def check_choice(flag: str, value: str, allowed) -> None:
+    """A flag whose value must be one of `allowed`."""
+    if value not in allowed:
+        raise UserError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
     """The decoding flags, checked in the flags' own words before torch is imported."""
     if max_new_tokens < 1:

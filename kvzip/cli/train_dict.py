@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import Device, Dtype, Model, TrustRemoteCode, check_device, output_path
+from kvzip.cli.options import Device, Dtype, Model, TrustRemoteCode, check_choice, check_device, output_path
 from kvzip.errors import UserError
 from kvzip.sparse import CODERS, KEY_MODES
 
@@ -28,10 +28,8 @@ MAX_HOLDOUT = 0.9  # held-out share of each document: at least a tenth of every 
 
 def _check(tokens: int, atoms: int, sparsity: int, iters: int, keys: str, coder: str, samples: int,
            holdout: float) -> None:
-    if keys not in KEY_MODES:
-        raise UserError(f"--keys must be one of {', '.join(KEY_MODES)}, got {keys!r}")
-    if coder not in CODERS:
-        raise UserError(f"--coder must be one of {', '.join(CODERS)}, got {coder!r}")
+    check_choice("--keys", keys, KEY_MODES)
+    check_choice("--coder", coder, CODERS)
     if not 0 < holdout < MAX_HOLDOUT:
         raise UserError(f"--holdout must be a fraction in (0, {MAX_HOLDOUT}), got {holdout}")
     for name, value, low in (("--tokens", tokens, 1), ("--atoms", atoms, 2), ("--iters", iters, 1),
