@@ -110,7 +110,12 @@ def generate(
         lm, tokenizer, source = load_model(model, device, dtype, trust_remote_code)
     dictionaries = dictionaries_for(cache_method, lm, source, dict_path)
     if not raw and tokenizer.chat_template is None:
-        raise UserError("this model's tokenizer has no chat template: pass --raw to feed the prompt as it is")
+        if any(not isinstance(item, str) for item in items):
+            raise UserError("this model's tokenizer has no chat template, so it cannot take chat messages: "
+                            "give plain prompts")
+        # A base model (Gemma 3 270M is one) ships no template: its prompts are text to continue, so say so and go on.
+        display.console.print(f"[dim]{source.name} has no chat template (a base model): prompts are fed as raw text[/dim]")
+        raw = True
     encoded = [engine.encode(tokenizer, item, raw, system) for item in items]
     for ids in encoded:
         engine.check_context(lm, len(ids), max_new_tokens)

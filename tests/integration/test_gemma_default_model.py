@@ -96,11 +96,13 @@ def test_every_method_compresses_on_gemma_or_refuses(gemma, name):
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_cli_every_method_answers_coherent_text(name):
-    proc = run_cli("generate", "--model", "gemma3-270m", "--method", name, "--raw", "--max-new-tokens", "24", PROMPT)
+    """As a user types it, without --raw: a model with no chat template gets its prompt as raw text, said once."""
+    proc = run_cli("generate", "--model", "gemma3-270m", "--method", name, "--max-new-tokens", "24", PROMPT)
     if proc.returncode == 2 and "sliding-window layers" in proc.stderr:  # transformers' quantized caches refuse
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         return
     assert proc.returncode == 0, proc.stderr
+    assert "no chat template (a base model): prompts are fed as raw text" in proc.stderr
     words = proc.stdout.split()
     assert "France" in proc.stdout and len(words) >= 10, proc.stdout
     assert "<start_of_image>" not in proc.stdout
