@@ -20,9 +20,10 @@ from kvzip.methods import METHODS
 from kvzip.models import ModelSource
 from tests.matrix import tiny_options
 
-TINY = BenchConfig(workloads=("output", "prompt", "reasoning", "speed"), output_tokens=(48, 96), output_rows=2,
+TINY = BenchConfig(workloads=("output", "prompt", "reasoning", "speed", "capacity"), output_tokens=(48, 96), output_rows=2,
                    prompt_contexts=(40, 64), prompt_positions=12, reasoning_prompts=2, reasoning_batch=2,
-                   reasoning_new_tokens=6, speed_contexts=(32,), speed_new_tokens=4, repeats=2)
+                   reasoning_new_tokens=6, speed_contexts=(32,), speed_new_tokens=4, repeats=2, capacity_tokens=40,
+                   capacity_max_rows=24)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def test_every_method_runs_and_reports_the_issue_fields(tiny_run):
     common = ("method", "options", "kv_bytes_peak", "kv_bytes_device_peak", "kv_bytes_full", "kv_ratio_vs_full",
               "kv_device_ratio_vs_full", "kv_ratio_vs_fp16_full", "decode_tokens_per_s", "speed_ratio_vs_full")
     quality = {"output": ("ppl", "top1_agreement", "kl"), "prompt": ("ppl", "top1_agreement", "kl"),
-               "reasoning": ("greedy_agreement", "gsm8k_accuracy", "gsm8k_accuracy_95ci"), "speed": ()}
+               "reasoning": ("greedy_agreement", "gsm8k_accuracy", "gsm8k_accuracy_95ci"), "speed": (),
+               "capacity": ("rows", "kv_budget", "kv_bytes_per_row", "rows_device_tier")}
     for r in data["results"]:
         for key in common + quality[r["workload"]]:
             assert r.get(key) is not None, (r["label"], r["workload"], key)
@@ -86,6 +88,19 @@ def test_full_is_its_own_reference_and_compression_shows(tiny_run):
                                                          + sorted(speed["paired_speed_ratios"])[1] / 2, abs=1e-3)
 
 
+def test_capacity_fills_the_budget_full_needs_for_eight_rows(tiny_run):
+    data, _ = tiny_run
+    cap = {r["label"]: r for r in data["results"] if r["workload"] == "capacity"}
+    full = cap["full"]
+    assert full["kv_budget"] == 8 * full["kv_bytes_per_row"] and full["rows"] == 8 and full["fits"]
+    for label, r in cap.items():
+        assert r["kv_budget"] == full["kv_budget"]  # one budget for every method
+        assert r["rows"] == min(24, r["kv_budget"] // r["kv_bytes_per_row"]) and r["new_tokens"] == 40 * r["rows"]
+        assert r["rows_device_tier"] >= r["rows"]
+        if r["method"] in ("window", "h2o", "hf-int2") and not r["rows_capped"]:
+            assert r["rows"] > 8, label  # a smaller cache buys a larger batch
+
+
 def test_progress_counts_up_to_the_total(tiny_run):
     _, seen = tiny_run
     dones = [d for d, _ in seen]
@@ -101,6 +116,10 @@ def test_table_marks_the_best_and_plot_draws_the_front(tiny_run, tmp_path):
     assert "full" not in set().union(*marks.values())
     front = plot(data, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG" and front
+    from kvzip.bench.report import capacity_plot
+
+    capacity_plot(data, tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_best_marks_directions_and_ties():
@@ -164,6 +183,9 @@ def test_answer_parsing_and_agreement():
     (["--output-tokens", "512,x"], "comma-separated integers"),
     (["--output-tokens", "1"], "output lengths must be at least 2"),
     (["--rows", "0"], "output rows must be at least 1"),
+    (["--kv-budget", "lots"], "a size is a number with an optional unit"),
+    (["--kv-budget", "0MiB"], "KV budget must be a positive number"),
+    (["--capacity-tokens", "0"], "capacity tokens must be at least 1"),
     (["--contexts", "a,b"], "comma-separated integers"),
     (["--opt", "window=3"], "method.key=value"),
     (["--dict", "/nonexistent/d.safetensors"], "does not exist"),

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from kvzip.errors import UserError
 
-WORKLOADS = ("output", "prompt", "reasoning", "recall", "speed")
+WORKLOADS = ("output", "prompt", "reasoning", "recall", "speed", "capacity")
+FULL_ROWS_IN_BUDGET = 8  # the default capacity budget: what `full` needs for this many rows of the capacity length
 
 
 @dataclass
@@ -36,6 +37,9 @@ class BenchConfig:
     speed_contexts: tuple[int, ...] = (1024, 4096, 8192)
     speed_new_tokens: int = 64  # decode steps timed per measurement (steps / their total time): two fadkv chunks
     repeats: int = 2  # paired (method, full) speed measurements per context; the median ratio is reported
+    capacity_tokens: int = 1024  # new tokens per row in the capacity workload
+    kv_budget: int | None = None  # KV bytes (all tiers) the capacity workload fills; None: full's bytes for 8 rows
+    capacity_max_rows: int = 64  # the largest batch the capacity workload tries
     seed: int = 0
     quick: bool = False
 
@@ -46,7 +50,8 @@ class BenchConfig:
             if w not in WORKLOADS:
                 raise UserError(f"unknown workload '{w}'; use some of: {', '.join(WORKLOADS)}")
         for name in ("output_rows", "prompt_positions", "reasoning_prompts", "reasoning_new_tokens", "reasoning_batch",
-                     "recall_trials", "recall_facts", "speed_new_tokens", "repeats"):
+                     "recall_trials", "recall_facts", "speed_new_tokens", "repeats", "capacity_tokens",
+                     "capacity_max_rows"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
         if not self.output_tokens or any(n < 2 for n in self.output_tokens):
@@ -56,6 +61,8 @@ class BenchConfig:
                 raise UserError(f"prompt context {ctx} must exceed the {self.prompt_positions} scored positions + 1")
         if any(c < 16 for c in self.speed_contexts):
             raise UserError("speed contexts must be at least 16 tokens")
+        if self.kv_budget is not None and self.kv_budget < 1:
+            raise UserError(f"the KV budget must be a positive number of bytes, got {self.kv_budget}")
 
     @classmethod
     def quick_preset(cls, workloads: tuple[str, ...] = WORKLOADS) -> "BenchConfig":
@@ -63,7 +70,8 @@ class BenchConfig:
         shortest at which every method's defaults compress (zoomr keeps a 128-token tail plus its zoomed thoughts)."""
         return cls(workloads=workloads, output_tokens=(768,), output_rows=2, prompt_contexts=(640,),
                    prompt_positions=96, reasoning_prompts=2, reasoning_new_tokens=32, recall_trials=2,
-                   recall_filler=120, speed_contexts=(1024,), speed_new_tokens=16, repeats=1, quick=True)
+                   recall_filler=120, speed_contexts=(1024,), speed_new_tokens=16, repeats=1, capacity_tokens=256,
+                   quick=True)
 
     def capped(self, max_positions: int | None) -> "BenchConfig":
         """Lengths capped to the model's window (room kept for the prompt and the new tokens)."""
@@ -73,7 +81,8 @@ class BenchConfig:
         return dataclasses.replace(
             self, output_tokens=cap(self.output_tokens, max_positions - 128),
             prompt_contexts=cap(self.prompt_contexts, max_positions),
-            speed_contexts=cap(self.speed_contexts, max_positions - self.speed_new_tokens - 1))
+            speed_contexts=cap(self.speed_contexts, max_positions - self.speed_new_tokens - 1),
+            capacity_tokens=min(self.capacity_tokens, max_positions - 256))
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)
@@ -91,6 +100,20 @@ class Setting:
         from kvzip.methods import get_method
 
         return get_method(self.name, self.opts)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'256MiB', '1.5GB', '300000' -> bytes; UserError naming the units otherwise."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise UserError(f"a size is a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB), got {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def parse_kv_list(text: str, where: str) -> dict[str, str]:

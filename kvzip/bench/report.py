@@ -35,6 +35,9 @@ COLUMNS = [
     Column("decode", "decode tok/s", "speed", "decode_tokens_per_s", "max", "{:.1f}"),
     Column("speed_ratio", "speed/full", "speed", "speed_ratio_vs_full", "max", "{:.2f}"),
     Column("ttft", "ttft s", "speed", "ttft_s", "min", "{:.2f}"),
+    Column("cap_rows", "rows in budget", "capacity", "rows", "max", "{:d}"),
+    Column("cap_tps", "tok/s at budget", "capacity", "decode_tokens_per_s", "max", "{:.1f}"),
+    Column("cap_ratio", "vs full", "capacity", "speed_ratio_vs_full", "max", "{:.2f}"),
 ]
 
 # Where the memory columns come from when `output` was not run.
@@ -136,3 +139,33 @@ def plot(data: dict, path, title: str | None = None) -> list[str]:
     fig.savefig(path, format="png")
     plt.close(fig)
     return front
+
+
+def capacity_plot(data: dict, path) -> None:
+    """Throughput at equal memory: aggregate decode tok/s of each method's largest batch that fits the KV budget,
+    one bar per method, the batch written on it. Raises ValueError when the capacity workload did not run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in data["results"] if r["workload"] == "capacity" and r.get("decode_tokens_per_s")]
+    if not records:
+        raise ValueError("the capacity plot needs the capacity workload")
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    labels = [r["label"] for r in records]
+    values = [r["decode_tokens_per_s"] for r in records]
+    bars = ax.bar(range(len(records)), values, color=["tab:gray" if r["label"] == "full" else "tab:blue" for r in records])
+    for bar, r in zip(bars, records):
+        ax.annotate(f"{r['rows']} rows", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+    ax.set_xticks(range(len(records)), labels, rotation=30, ha="right", fontsize=8)
+    env = data.get("environment", {})
+    budget = records[0]["kv_budget"] / 2**20
+    ax.set_ylabel("aggregate decode tok/s")
+    ax.set_title(f"throughput at {budget:.0f} MiB of KV (all tiers) · {env.get('model', '')} · "
+                 f"{env.get('device', '')} · {env.get('date', '')[:10]}", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)

@@ -10,6 +10,11 @@
 - `reasoning`: greedy generation on GSM8K evaluation problems through the engine: greedy agreement with `full`
   and accuracy (meaningful only for a model that can solve GSM8K).
 - `recall`: `kvzip.bench.recall.recall_probe` (facts early, question late, likelihood-ranked).
+- `capacity`: throughput at equal memory. Given a KV budget (all tiers; by default what `full` needs for 8 rows) and
+  an output length, each method's bytes per row are measured on one row (the longest prompt) generated to that
+  length, the largest
+  batch that fits is taken (all tiers; the device tier alone is reported too), and that batch generates the same
+  length: aggregate decode tok/s at equal memory, the serving engines' pitch.
 - `speed`: prefill and decode on prose at each context: time to first token, decode tok/s as decode steps over their
   total time (work a method does every few tokens is counted), each repeat paired with a `full` run right after it;
   speed_ratio_vs_full is the median of the paired ratios.
@@ -246,6 +251,42 @@ def speed(ctx: Context, label: str, method, dictionaries) -> dict:
     return _headline(runs)
 
 
+def _capacity_prompts(ctx: Context, rows: int) -> list[list[int]]:
+    from kvzip.data import gsm8k
+
+    problems = gsm8k("evaluation")
+    return [ctx.chat_prompt(problems[i % len(problems)]["question"] + "\nSolve it step by step.") for i in range(rows)]
+
+
+def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
+    from kvzip.bench.config import FULL_ROWS_IN_BUDGET
+
+    cfg = ctx.cfg
+    settings = engine.Settings(max_new_tokens=cfg.capacity_tokens, ignore_eos=True)
+    longest = max(_capacity_prompts(ctx, cfg.capacity_max_rows), key=len)  # a batch pads every row to its longest
+    _, probe, _ = _run_generate(ctx, method, dictionaries, [longest], settings)
+    per_row, per_row_device = probe["kv_bytes_peak"], probe["kv_bytes_device_peak"]
+    if label == "full":
+        ctx.ref["capacity_budget"] = cfg.kv_budget or FULL_ROWS_IN_BUDGET * per_row
+    budget = ctx.ref["capacity_budget"]
+    rows = max(1, min(cfg.capacity_max_rows, budget // max(per_row, 1)))
+    results, summary, _ = _run_generate(ctx, method, dictionaries, _capacity_prompts(ctx, rows), settings)
+    return {
+        "kv_budget": budget,
+        "kv_bytes_per_row": per_row,
+        "kv_bytes_device_per_row": per_row_device,
+        "rows": rows,  # the largest batch whose bytes, all tiers, fit the budget
+        "rows_device_tier": int(min(cfg.capacity_max_rows, budget // max(per_row_device, 1))),
+        "rows_capped": rows == cfg.capacity_max_rows,
+        "fits": summary["kv_bytes_peak"] <= budget,
+        "single_row_decode_tokens_per_s": probe["decode_tokens_per_s"],
+        "new_tokens": summary["new_tokens"],
+        **{k: v for k, v in summary.items() if k.startswith("kv_")},
+        "decode_tokens_per_s": summary["decode_tokens_per_s"],  # aggregate over the batch
+        "method_stats": summary.get("method_stats", {}),
+    }
+
+
 def recall_units(cfg) -> int:
     return cfg.recall_filler + 60  # the trials are fed as one batch: one step per forced token
 
@@ -260,8 +301,11 @@ def units(cfg, workload: str) -> int:
         return cfg.reasoning_prompts * cfg.reasoning_new_tokens // max(cfg.reasoning_batch, 1)
     if workload == "recall":
         return recall_units(cfg)
+    if workload == "capacity":
+        return 2 * cfg.capacity_tokens  # the one-row probe and the batch, one tick per decode step
     per = sum(c // 50 + cfg.speed_new_tokens for c in cfg.speed_contexts)
     return 2 * per * cfg.repeats  # the method and its paired full run
 
 
-RUNNERS = {"output": output, "prompt": prompt, "reasoning": reasoning, "recall": recall, "speed": speed}
+RUNNERS = {"output": output, "prompt": prompt, "reasoning": reasoning, "recall": recall, "speed": speed,
+           "capacity": capacity}

@@ -22,7 +22,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import DictPath, Device, Dtype, Model, TrustRemoteCode, check_device, dict_file, output_path
+from kvzip.cli.options import DictPath, Device, Dtype, Model, TrustRemoteCode, check_device, dict_file, flagged, output_path
 from kvzip.errors import UserError
 from kvzip.files import atomic_path, write_atomic
 
@@ -40,8 +40,10 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _config(quick: bool, workloads: str | None, contexts: str | None, prompts: int | None, new_tokens: int | None,
-            repeats: int | None, output_tokens: str | None = None, rows: int | None = None):
+            repeats: int | None, output_tokens: str | None = None, rows: int | None = None,
+            kv_budget: str | None = None, capacity_tokens: int | None = None):
     from kvzip.bench import WORKLOADS, BenchConfig
+    from kvzip.bench.config import parse_bytes
 
     chosen = tuple(w.strip() for w in workloads.split(",") if w.strip()) if workloads else WORKLOADS
     cfg = BenchConfig.quick_preset(chosen) if quick else BenchConfig(workloads=chosen)
@@ -58,6 +60,10 @@ def _config(quick: bool, workloads: str | None, contexts: str | None, prompts: i
         changes["reasoning_new_tokens"] = new_tokens
     if repeats is not None:
         changes["repeats"] = repeats
+    if kv_budget is not None:
+        changes["kv_budget"] = flagged("--kv-budget", parse_bytes, kv_budget)
+    if capacity_tokens is not None:
+        changes["capacity_tokens"] = capacity_tokens
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
@@ -87,10 +93,19 @@ def _table(data: dict):
 
 
 def _save_plot(data: dict, path: Path) -> list[str]:
-    from kvzip.bench.report import plot
+    """The quality-vs-memory plot at `path`; with the capacity workload, throughput at equal memory beside it."""
+    from kvzip.bench.report import capacity_plot, plot
 
     with atomic_path(path) as tmp:
-        return plot(data, tmp)
+        front = plot(data, tmp)
+    if any(r["workload"] == "capacity" for r in data["results"]):
+        with atomic_path(capacity_plot_path(path)) as tmp:
+            capacity_plot(data, tmp)
+    return front
+
+
+def capacity_plot_path(path: Path) -> Path:
+    return path.with_name(f"{path.stem}-capacity{path.suffix}")
 
 
 def bench(
@@ -104,6 +119,8 @@ def bench(
     contexts: Annotated[Optional[str], typer.Option("--contexts", help="Context lengths for prompt and speed, e.g. 1024,4096 (default 1024,4096,8192; --quick 640 for prompt, 1024 for speed).")] = None,
     prompts: Annotated[Optional[int], typer.Option("--prompts", help="GSM8K problems for the reasoning workload (default 8; --quick 2).")] = None,
     new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", help="Greedy tokens per reasoning problem (default 256; --quick 32).")] = None,
+    kv_budget: Annotated[Optional[str], typer.Option("--kv-budget", help="KV memory (all tiers) the capacity workload fills, e.g. 256MiB (default: what full needs for 8 rows).")] = None,
+    capacity_tokens: Annotated[Optional[int], typer.Option("--capacity-tokens", help="New tokens per row in the capacity workload (default 1024; --quick 256).")] = None,
     repeats: Annotated[Optional[int], typer.Option("--repeats", help="Paired speed measurements per context, median reported (default 2; --quick 1).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the resolved config and every figure here (atomic).")] = None,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="PNG: top-1 agreement vs KV memory, Pareto front drawn.")] = None,
@@ -118,7 +135,7 @@ def bench(
     from kvzip.methods import METHODS
 
     settings = parse_settings(methods, opt, method_set, list(METHODS))
-    cfg = _config(quick, workloads, contexts, prompts, new_tokens, repeats, output_tokens, rows)
+    cfg = _config(quick, workloads, contexts, prompts, new_tokens, repeats, output_tokens, rows, kv_budget, capacity_tokens)
     if plot_path is not None:
         if plot_path.suffix.lower() != ".png":
             raise UserError(f"--plot writes a PNG: give a path ending in .png, got {plot_path}")
@@ -168,6 +185,8 @@ def bench(
     if plot_path is not None:
         front = _save_plot(data, plot_path)
         display.console.print(f"wrote {plot_path} (Pareto front: {', '.join(front)})")
+        if capacity_plot_path(plot_path).exists() and "capacity" in cfg.workloads:
+            display.console.print(f"wrote {capacity_plot_path(plot_path)} (throughput at equal KV memory)")
     if data["interrupted"]:
         display.console.print(f"[yellow]interrupted[/yellow]: {len(data['results'])} finished records kept")
         raise typer.Exit(130)
