@@ -45,9 +45,7 @@ def dense_attention(query, keys, values, mask, scaling, positions=None):
     if mask is not None:
         attn_mask = mask if positions is None else gather_mask(mask, positions)
     elif 1 < q_len < s:
-        # No padding: stored tokens before the new ones are all visible, the new ones causally.
-        attn_mask = torch.ones(q_len, s, dtype=torch.bool, device=query.device)
-        attn_mask[:, s - q_len :] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        attn_mask = causal_tail(q_len, s, query.device)
     # Only new tokens and no padding (a prompt's own forward): SDPA's causal kernel, 2.8x faster on CPU at 4k tokens
     # than the same mask written out.
     causal = mask is None and 1 < q_len == s
@@ -55,6 +53,14 @@ def dense_attention(query, keys, values, mask, scaling, positions=None):
         query, keys, values, attn_mask=attn_mask, is_causal=causal, scale=scaling,
         enable_gqa=query.shape[1] != keys.shape[1])  # (B, Hq, q, d)
     return out.transpose(1, 2).contiguous()
+
+
+def causal_tail(q_len: int, width: int, device) -> torch.Tensor:
+    """(q, width) bool: which of `width` stored tokens each of q new queries sees when there is no padding. The new
+    tokens are the last q stored: each sees every token before them and the new ones causally, itself included."""
+    allowed = torch.ones(q_len, width, dtype=torch.bool, device=device)
+    allowed[:, width - q_len :] = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    return allowed
 
 
 def gather_mask(mask, positions):

@@ -56,22 +56,9 @@ def key_modes(method) -> tuple[str, ...]:
     """`method.dictionary_keys()` (module docstring), checked to be a non-empty sequence of key modes."""
     from kvzip.sparse import KEY_MODES
 
-    if hasattr(method, "dictionary_keys"):
-        modes = tuple(method.dictionary_keys())
-    else:
-        modes = _option_key_modes(method)
+    modes = tuple(method.dictionary_keys())
     assert modes and all(m in KEY_MODES for m in modes), f"{method.name}: dictionary_keys() gave {modes!r}"
     return modes
-
-
-def _option_key_modes(method) -> tuple[str, ...]:
-    """Temporary, for a method without `dictionary_keys` yet: the fadkv family's `keys` option (a mode, or auto for
-    the class's `preferred_keys` first), and post-RoPE keys for any other dictionary method."""
-    keys = getattr(method, "keys", "post-rope")
-    if keys != "auto":
-        return (keys,)
-    preferred = getattr(method, "preferred_keys", "post-rope")
-    return (preferred, "post-rope" if preferred == "pre-rope" else "pre-rope")
 
 
 def default_dictionary(method, source) -> Path:

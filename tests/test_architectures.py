@@ -87,8 +87,7 @@ def family_dictionaries(name: str, keys: str):
 def dictionaries_for(name: str, method):
     if not method.needs_dictionary:
         return None
-    keys = getattr(method, "keys", "post-rope")
-    return family_dictionaries(name, getattr(method, "preferred_keys", "post-rope") if keys == "auto" else keys)
+    return family_dictionaries(name, method.dictionary_keys()[0])
 
 
 def run(name: str, method, new_tokens: int = 64):

@@ -26,7 +26,7 @@ from tests.test_cli import fake_load, no_model, one_line_error  # noqa: F401  (f
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvzip"
 # Library modules whose errors still name flags; their owners reword them under issue 18 (then drop them here).
-PENDING = {"bench/config.py", "methods/fadkv.py", "methods/zoomr.py"}
+PENDING = {"bench/config.py"}
 SOURCE = ModelSource("tiny", "tiny", False)
 
 
@@ -104,6 +104,20 @@ def test_default_dictionary_follows_dictionary_keys(tmp_path, monkeypatch):
     with pytest.raises(MissingDictionary) as exc:
         default_dictionary(Probe(("pre-rope",)), SOURCE)
     assert (exc.value.path, exc.value.keys, exc.value.model) == (tmp_path / "tiny-prerope.safetensors", "pre-rope", "tiny")
+
+
+def test_methods_say_which_key_modes_they_run_on():
+    from kvzip.methods import METHODS
+    from kvzip.sparse import KEY_MODES
+
+    for name in METHODS:
+        method = get_method(name)
+        modes = method.dictionary_keys()
+        assert bool(modes) == bool(method.needs_dictionary) and set(modes) <= set(KEY_MODES), name
+    assert get_method("fadkv").dictionary_keys() == ("pre-rope", "post-rope")  # keys=auto: preferred first
+    assert get_method("lexico").dictionary_keys() == ("post-rope", "pre-rope")
+    assert get_method("fadkv", {"keys": "post-rope"}).dictionary_keys() == ("post-rope",)
+    assert get_method("zoomr", {"detail": "fadkv"}).dictionary_keys() == ("post-rope",)
 
 
 def test_missing_dictionary_in_library_terms_and_in_flags(tiny, tmp_path, monkeypatch, capsys, fake_load):

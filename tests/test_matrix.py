@@ -14,6 +14,7 @@ import torch
 
 from kvzip import engine, evaluate
 from kvzip.engine import Stream
+from kvzip.methods.base import TIERS, CacheLayer
 from tests.matrix import METHOD_NAMES, lossless_method, needs_dictionary, tiny_method
 
 # Paragraphs of a few sentences: thoughts for zoomr/sumr (they end at a blank line), tokens for everyone else.
@@ -98,6 +99,33 @@ def test_budget_beyond_the_sequence_equals_full(tiny, tokenizer, request, full_r
     run = _forced(tiny, tokenizer, method, _dicts(request, name), prompts, forced, full_run.reference)
     assert torch.equal(run.top1, full_run.reference.top1), name
     torch.testing.assert_close(run.nll, full_run.nll, rtol=1e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_every_layer_reports_memory_through_one_protocol(tiny, tokenizer, request, name):
+    """Every layer of every method, `full` and the peers included, is a `CacheLayer`: bytes by tier (no tier outside
+    TIERS) and, from the one `FullBytes`, what `full` holds for the same tokens."""
+    caches = [tiny_method(n).make_cache(tiny, _dicts(request, n)) for n in (name, "full")]
+    for cache in caches:
+        stream = Stream(tiny, tokenizer, cache)
+        with torch.inference_mode():
+            stream.prefill([tokenizer("a")["input_ids"], tokenizer("a longer prompt")["input_ids"]])
+            for ch in "some output":
+                stream.step(torch.tensor(tokenizer(ch)["input_ids"][1:] * 2))
+    for layer, full in zip(*(cache.layers for cache in caches)):
+        assert isinstance(layer, CacheLayer), type(layer)
+        assert set(layer.memory()) <= set(TIERS) and sum(layer.memory().values()) > 0
+        assert layer.full_bytes(2) == full.full_bytes(2) == 2 * 2 * 2 * (len("a longer prompt") + 1 + 11) * 16 * 2
+
+
+def test_a_layer_without_full_bytes_is_not_a_cache_layer():
+    class Partial:
+        is_initialized, dtype = True, torch.float32
+
+        def memory(self):
+            return {}
+
+    assert not isinstance(Partial(), CacheLayer)
 
 
 def test_stream_calls_the_step_hook_with_each_tokens_text(tiny, tokenizer):

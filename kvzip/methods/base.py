@@ -11,7 +11,9 @@ Three levels, as in transformers' cache_utils:
 Memory is reported by tier, in bytes, as what is really allocated:
 `device` dense K/V resident on the compute device, `codes` coded tokens (indices + coefficients), `dictionary`
 per-sequence dictionary state, `host` detail kept off the device. `full_same_dtype` and `fp16_full` are what a full
-cache would hold for the same tokens, so every report can state a ratio.
+cache would hold for the same tokens, so every report can state a ratio. Every layer of every method, `full` and
+transformers' own quantized layers (the peers) included, satisfies `CacheLayer`: `memory()` by tier, and
+`full_bytes()` from `FullBytes`, the one place the full-cache equivalent (sliding windows included) is counted.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvzip.errors import UserError
+from kvzip.rope import full_tokens
 
 TIERS = ("device", "codes", "dictionary", "host")
 
@@ -54,20 +57,49 @@ def kv_report(peak: dict, last: dict) -> dict:
     }
 
 
-class KVLayer(CacheLayerMixin):
+@typing.runtime_checkable
+class CacheLayer(typing.Protocol):
+    """What `KVCache.memory()` reads from each layer, whatever the method: its bytes by tier (keys of `TIERS`) and
+    what a full cache would hold for the tokens it has seen, at `element_size` bytes per value."""
+
+    is_initialized: bool
+    dtype: torch.dtype
+
+    def memory(self) -> dict[str, int]: ...
+
+    def full_bytes(self, element_size: int) -> int: ...
+
+
+class FullBytes:
+    """Mixin: `full_bytes` for any layer that knows its shape (`batch`, `kv_heads`, `head_dim`), its length
+    (`get_seq_length()`, the tokens seen) and its sliding window (`sliding`, None for full attention). A full cache
+    holds K and V of every token seen, or on a sliding-window layer of the last window - 1 (`rope.full_tokens`)."""
+
+    batch = kv_heads = head_dim = 0
+    sliding: int | None = None
+
+    def full_bytes(self, element_size: int) -> int:
+        tokens = full_tokens(self.get_seq_length(), self.sliding)
+        return 2 * self.batch * self.kv_heads * tokens * self.head_dim * element_size
+
+
+def record_shape(layer, key_states: torch.Tensor) -> None:
+    """Keep what `FullBytes` and `KVCache.memory` read from the first keys a layer sees (B, Hkv, T, d)."""
+    layer.batch, layer.kv_heads, _, layer.head_dim = key_states.shape
+    layer.dtype = key_states.dtype
+
+
+class KVLayer(FullBytes, CacheLayerMixin):
     """Base for kvzip cache layers: counts tokens seen and reports memory. Subclasses store what they keep."""
 
-    def __init__(self):
+    def __init__(self, sliding: int | None = None):
         super().__init__()
         self.seen = 0  # tokens written to this layer (virtual length, what the mask and RoPE positions count)
-        self.batch = 0
-        self.kv_heads = 0
-        self.head_dim = 0
+        self.sliding = sliding  # the layer's own sliding window (None: full attention)
         self.dtype = torch.float32
 
     def lazy_initialization(self, key_states, value_states):
-        self.batch, self.kv_heads, _, self.head_dim = key_states.shape
-        self.dtype = key_states.dtype
+        record_shape(self, key_states)
         self.device = key_states.device
         self.is_initialized = True
 
@@ -83,9 +115,6 @@ class KVLayer(CacheLayerMixin):
 
     def memory(self) -> dict[str, int]:
         raise NotImplementedError
-
-    def full_bytes(self, element_size: int) -> int:
-        return 2 * self.batch * self.kv_heads * self.seen * self.head_dim * element_size
 
 
 class KVCache(Cache):
@@ -151,6 +180,11 @@ class Method:
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         raise NotImplementedError
+
+    def dictionary_keys(self) -> tuple[str, ...]:
+        """The key modes (`kvzip.sparse.KEY_MODES`) of the dictionaries this method, with its options, runs on, the
+        one to look for first first; () when it uses no dictionary. kvzip.dictfiles picks the default file by it."""
+        return ("post-rope",) if self.needs_dictionary else ()
 
     @classmethod
     def options(cls) -> dict[str, dataclasses.Field]:

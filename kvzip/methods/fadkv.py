@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzip.attention import dense_attention, gather_mask, gather_tokens, leading_padding
+from kvzip.attention import causal_tail, dense_attention, gather_mask, gather_tokens, leading_padding
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
-from kvzip.rope import (attention_windows, as_rope, full_tokens, layer_ropes, phasors, to_pairs, turn_pairs,
+from kvzip.rope import (attention_windows, as_rope, layer_ropes, phasors, to_pairs, turn_pairs,
                         visible_from)
-from kvzip.sparse import CACHE_CODERS as CODERS, KEY_OPTIONS as KEY_MODES, attention as coded
+from kvzip.sparse import CACHE_CODERS, KEY_MODES, KEY_OPTIONS, attention as coded
 from kvzip.sparse.omp import gram_matrix, omp, reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS, screen
 
@@ -71,10 +71,9 @@ class _Overlay:
 
 
 class FadkvLayer(KVLayer):
-    def __init__(self, cfg: "Fadkv", d_k, d_v, g_k, g_v, key_mean, rope=None, rope_memo=None, window=None):
-        super().__init__()
+    def __init__(self, cfg: "Fadkv", d_k, d_v, g_k, g_v, key_mean, rope=None, rope_memo=None, sliding=None):
+        super().__init__(sliding)
         self.rope = None if rope is None else as_rope(rope)  # this layer's Rope when keys are coded before RoPE
-        self.window = window  # sliding window (None: full attention)
         self.rope_memo = {} if rope_memo is None else rope_memo  # shared by a cache's layers: RoPE tables per step
         self.cfg = cfg
         self.dicts = {"k": (d_k, g_k), "v": (d_v, g_v)}  # shared (N, d) atoms and (N, N) Gram, fp32
@@ -123,7 +122,7 @@ class FadkvLayer(KVLayer):
             self.pad = leading_padding(mask, self.batch, self.keys.device)
         out = self._attention(query, mask, scaling)
         self._compress(prefill=query.shape[2] > 1)
-        if self.window is not None:
+        if self.sliding is not None:
             self._slide()
         return out
 
@@ -132,15 +131,12 @@ class FadkvLayer(KVLayer):
         overlay = sum(o.bytes() for o in self.overlay.values())
         return {"device": tensor_bytes(self.keys, self.values), "codes": codes, "dictionary": overlay}
 
-    def full_bytes(self, element_size: int) -> int:
-        return 2 * self.batch * self.kv_heads * full_tokens(self.seen, self.window) * self.head_dim * element_size
-
     def _slide(self) -> None:
         """Sliding-window layer, after attending: drop what its next query can no longer see. Coded tokens before the
         window become holes (position -1, never seen) with their atoms counted off, and a column that is a hole in
         every row goes; the dense tier loses its oldest columns where every row's are out of the window (a row's
         others stay, hidden by the model's mask)."""
-        cut = visible_from(self.seen, self.window)
+        cut = visible_from(self.seen, self.sliding)
         gone = (self.coded_pos >= 0) & (self.coded_pos < cut)  # (B, T)
         if bool(gone.any()):
             for kind in "kv":
@@ -271,7 +267,7 @@ class FadkvLayer(KVLayer):
         if self.rope_memo.get("seen") != self.seen:
             self.rope_memo.clear()
             self.rope_memo["seen"] = self.seen
-        key = (id(self.rope), self.window, self.coded_pos.shape[1])
+        key = (id(self.rope), self.sliding, self.coded_pos.shape[1])
         if key not in self.rope_memo:
             self.rope_memo[key] = phasors(self.coded_pos, self.rope)
         return self.rope_memo[key]
@@ -298,9 +294,7 @@ class FadkvLayer(KVLayer):
             return m & ~holes[:, None, :]
         allowed = None
         if q > 1:
-            allowed = torch.ones(q, width, dtype=torch.bool, device=device)
-            allowed[:, width - q :] = torch.ones(q, q, dtype=torch.bool, device=device).tril()
-            allowed = allowed[None]
+            allowed = causal_tail(q, width, device)[None]
         if bool(holes.any()):
             allowed = (~holes[:, None, :]) if allowed is None else allowed & ~holes[:, None, :]
         return allowed
@@ -522,8 +516,8 @@ class Fadkv(Method):
 
     def __post_init__(self):
         check_choice("coef", self.coef, coded.COEF_FORMATS)
-        check_choice("keys", self.keys, KEY_MODES)
-        check_choice("coder", self.coder, CODERS)
+        check_choice("keys", self.keys, KEY_OPTIONS)
+        check_choice("coder", self.coder, CACHE_CODERS)
         check_choice("adapt", self.adapt, ADAPT)
         check_choice("shots", self.shots, SHOTS)
         check_choice("pick", self.pick, PICKS)
@@ -534,17 +528,22 @@ class Fadkv(Method):
             raise ValueError("buffer and sinks must be >= 0")
         self.shared_bytes = 0
 
+    def dictionary_keys(self) -> tuple[str, ...]:
+        """`keys` when set; with keys=auto the method's preferred mode first, then the other."""
+        if self.keys != "auto":
+            return (self.keys,)
+        return (self.preferred_keys, *(m for m in KEY_MODES if m != self.preferred_keys))
+
     def atoms_per_vector(self, kind: str) -> int:
         return self.sparsity_v if kind == "v" and self.sparsity_v else self.sparsity
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         if dictionaries is None:
-            raise UserError(f"method '{self.name}' needs a dictionary: train one with `kvzip train-dict`")
+            raise UserError(f"method '{self.name}' needs a dictionary trained for this model, and none was given")
         trained = dictionaries.meta.get("keys", "post-rope")
         if self.keys != "auto" and trained != self.keys:
             raise UserError(f"method '{self.name}' with keys={self.keys} needs a dictionary of {self.keys} keys; this one "
-                            f"was trained on {trained} keys: pass another --dict or train one with "
-                            f"`kvzip train-dict --keys {self.keys}`")
+                            f"was trained on {trained} keys: use a dictionary trained on {self.keys} keys")
         ropes = layer_ropes(model, f"{self.name} with a pre-RoPE dictionary") if trained == "pre-rope" else None
         windows = attention_windows(model, self.name)
         layers, kv_heads, head_dim = model_layout(model)
@@ -555,7 +554,7 @@ class Fadkv(Method):
         self.shared_bytes = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
         memo: dict = {}
         return FadkvCache([FadkvLayer(self, *prepared[i], rope=ropes[i] if ropes else None, rope_memo=memo,
-                                      window=windows[i]) for i in range(layers)], self)
+                                      sliding=windows[i]) for i in range(layers)], self)
 
 
 @dataclass

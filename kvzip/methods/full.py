@@ -12,28 +12,27 @@ from dataclasses import dataclass
 
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvzip.methods.base import KVCache, Method, tensor_bytes
+from kvzip.methods.base import FullBytes, KVCache, Method, record_shape, tensor_bytes
 from kvzip.rope import attention_windows
 
 
-class FullLayer(DynamicLayer):
+class FullLayer(FullBytes, DynamicLayer):
     """DynamicLayer plus the memory report kvzip's engine reads."""
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
-        self.dtype = key_states.dtype
+        record_shape(self, key_states)
 
     def memory(self) -> dict[str, int]:
         return {"device": tensor_bytes(self.keys, self.values)}
 
-    def full_bytes(self, element_size: int) -> int:
-        if self.keys is None or self.keys.dim() != 4:
-            return 0
-        return 2 * self.keys[..., 0].numel() * self.keys.shape[-1] * element_size
-
 
 class FullSlidingLayer(FullLayer, DynamicSlidingWindowLayer):
     """DynamicSlidingWindowLayer (keeps the last window - 1 tokens) with FullLayer's memory report."""
+
+    def __init__(self, sliding_window: int):
+        super().__init__(sliding_window=sliding_window)
+        self.sliding = sliding_window
 
 
 @dataclass

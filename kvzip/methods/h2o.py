@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzip.attention import gather_mask, gather_tokens
+from kvzip.attention import causal_tail, gather_mask, gather_tokens
 from kvzip.methods.base import KVCache, Method, check_positive, tensor_bytes
 from kvzip.methods.window import WindowCache, WindowLayer
 from kvzip.rope import attention_windows, visible_from
@@ -40,8 +40,7 @@ class H2OLayer(WindowLayer):
         if mask is not None:
             m = gather_mask(mask, self.positions)  # (B, 1, q, S)
         else:
-            m = torch.ones(q_len, s, dtype=torch.bool, device=query.device)
-            m[:, s - q_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+            m = causal_tail(q_len, s, query.device)
         rep = query.shape[1] // self.kv_heads
         k = self.keys.repeat_interleave(rep, dim=1)  # (B, Hq, S, d)
         w = ((query @ k.transpose(-1, -2)) * scaling).masked_fill(~m, float("-inf")).softmax(-1)

@@ -21,7 +21,8 @@ import torch
 from transformers.cache_utils import Fp8QuantizedLayer, QuantoQuantizedLayer
 
 from kvzip.errors import UserError
-from kvzip.methods.base import KVCache, Method, check_choice, check_positive, model_layout, tensor_bytes
+from kvzip.methods.base import (FullBytes, KVCache, Method, check_choice, check_positive, model_layout, record_shape,
+                                tensor_bytes)
 from kvzip.rope import attention_windows
 
 
@@ -38,20 +39,17 @@ def stored_bytes(obj) -> int:
     return tensor_bytes(obj)
 
 
-class _PeerMemory:
-    """Memory report and full-cache equivalent for transformers' quantized layers (mixed in first)."""
+class _PeerMemory(FullBytes):
+    """Memory report for transformers' quantized layers (mixed in first); their full-cache equivalent is `FullBytes`
+    over `cumulative_length` (their get_seq_length), every layer full attention."""
 
     def lazy_initialization(self, key_states, value_states):
-        self.batch, self.kv_heads, _, self.head_dim = key_states.shape  # (B, Hkv, T, d)
-        self.dtype = key_states.dtype
+        record_shape(self, key_states)
         super().lazy_initialization(key_states, value_states)
 
     def memory(self) -> dict[str, int]:
         residual = tensor_bytes(self.keys, self.values) if self.keys is not None else 0
         return {"device": residual, "codes": stored_bytes(self._quantized_keys) + stored_bytes(self._quantized_values)}
-
-    def full_bytes(self, element_size: int) -> int:
-        return 2 * self.batch * self.kv_heads * self.cumulative_length * self.head_dim * element_size
 
 
 class PeerFp8Layer(_PeerMemory, Fp8QuantizedLayer):

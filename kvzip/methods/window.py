@@ -15,14 +15,13 @@ import torch
 
 from kvzip.attention import dense_attention, gather_tokens, leading_padding
 from kvzip.methods.base import KVCache, KVLayer, Method, check_positive, tensor_bytes
-from kvzip.rope import attention_windows, full_tokens, visible_from
+from kvzip.rope import attention_windows, visible_from
 
 
 class WindowLayer(KVLayer):
     def __init__(self, sinks: int, window: int, sliding: int | None = None):
-        super().__init__()
+        super().__init__(sliding)
         self.sinks, self.window = sinks, window
-        self.sliding = sliding  # the layer's own sliding window (None: full attention)
         self.evicted = 0
         self.pad = None  # (B,) left-padding tokens still stored at the front of each row
 
@@ -65,9 +64,6 @@ class WindowLayer(KVLayer):
                 self.pad = (self.pad - drop).clamp(min=0)
             self.evicted += drop
         return drop
-
-    def full_bytes(self, element_size: int) -> int:
-        return 2 * self.batch * self.kv_heads * full_tokens(self.seen, self.sliding) * self.head_dim * element_size
 
     def _evict(self):
         keep = self.sinks + self.window

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzip.attention import gather_mask, leading_padding
+from kvzip.attention import causal_tail, gather_mask, leading_padding
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
-from kvzip.rope import attention_windows, full_tokens, layer_ropes, unrotate, visible_from
+from kvzip.rope import attention_windows, layer_ropes, unrotate, visible_from
 from kvzip.sparse.omp import omp, reconstruct
 
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]?\s")
@@ -108,11 +108,10 @@ class Row:
 
 
 class ZoomRLayer(KVLayer):
-    def __init__(self, cache: "ZoomRCache", idx: int, rope=None, window: int | None = None):
-        super().__init__()
+    def __init__(self, cache: "ZoomRCache", idx: int, rope=None, sliding: int | None = None):
+        super().__init__(sliding)
         self.cache, self.idx, self.version = cache, idx, 0
         self.rope = rope  # this layer's Rope, for index_space=content and pick=novel
-        self.window = window  # sliding window (None: full attention)
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
@@ -144,7 +143,7 @@ class ZoomRLayer(KVLayer):
             c.begin_forward(mask, query.shape[2], self.batch, self.device)
         t0 = time.perf_counter()
         if self.version != c.version:
-            self._rebuild(visible_from(self.seen - query.shape[2], self.window))
+            self._rebuild(visible_from(self.seen - query.shape[2], self.sliding))
         c.overhead_s += time.perf_counter() - t0
         out = self._attention(query, mask, scaling)
         t0 = time.perf_counter()
@@ -152,7 +151,7 @@ class ZoomRLayer(KVLayer):
             self._finalize(b, t)
         if c.any_voting:
             self._vote(query[:, :, -1])
-        if self.window is not None:
+        if self.sliding is not None:
             self._slide()
         c.overhead_s += time.perf_counter() - t0
         return out
@@ -160,7 +159,7 @@ class ZoomRLayer(KVLayer):
     def _slide(self):
         """Sliding-window layer, after attending: drop what the next query cannot see (the buffer's oldest slots:
         each row is sorted with its padding in front) and the detail of thoughts that have left the window."""
-        cut = visible_from(self.seen, self.window)
+        cut = visible_from(self.seen, self.sliding)
         self.pos = self.pos.masked_fill(self.pos < cut, -1)
         drop = int((self.pos < 0).sum(1).min())
         if drop:
@@ -179,9 +178,7 @@ class ZoomRLayer(KVLayer):
         if mask is not None:
             m = gather_mask(mask, self.pos.clamp(min=0)) & valid
         else:
-            m = valid.expand(-1, 1, q_len, s).clone()
-            if q_len > 1:
-                m[..., s - q_len:] &= torch.ones(q_len, q_len, dtype=torch.bool, device=m.device).tril()
+            m = valid & causal_tail(q_len, s, valid.device)
         if not self.cache.method_pick_attention:
             out = torch.nn.functional.scaled_dot_product_attention(
                 query, self.keys, self.values, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != self.kv_heads)
@@ -293,8 +290,8 @@ class ZoomRLayer(KVLayer):
         k = keys.repeat_interleave(q.shape[1] // self.kv_heads, dim=1)  # (B, Hq, T, R, d)
         scores = torch.einsum("bhd,bhtrd->bhtr", q, k).masked_fill(~valid[:, None], float("-inf")).amax(-1)  # (B, Hq, T)
         valid = valid.any(-1)  # (B, T)
-        if self.window is not None:  # a sliding-window layer votes only for thoughts it can still see
-            cut = visible_from(self.seen, self.window)
+        if self.sliding is not None:  # a sliding-window layer votes only for thoughts it can still see
+            cut = visible_from(self.seen, self.sliding)
             ends = [[e for _, e in row.thoughts[: valid.shape[1]]] for row in c.rows]
             ends = torch.tensor([e + [0] * (valid.shape[1] - len(e)) for e in ends], device=valid.device)
             valid = valid & (ends > cut)
@@ -351,9 +348,6 @@ class ZoomRLayer(KVLayer):
             self.keys[b, :, width - n:], self.values[b, :, width - n:] = rows_k[b], rows_v[b]
             self.pos[b, width - n:], self.received[b, width - n:] = rows_p[b], rows_r[b]
         self.version = c.version
-
-    def full_bytes(self, element_size: int) -> int:
-        return 2 * self.batch * self.kv_heads * full_tokens(self.seen, self.window) * self.head_dim * element_size
 
     def memory(self) -> dict[str, int]:
         device = tensor_bytes(self.keys, self.values, self.pos, self.received)
@@ -599,9 +593,12 @@ class ZoomR(ThoughtOptions):
         from kvzip.methods.fadkv import _prepare
 
         if dictionaries is None:
-            raise UserError("zoomr detail=fadkv needs a dictionary: train one with `kvzip train-dict` or pass --dict")
-        if dictionaries.meta.get("keys", "post-rope") != "post-rope":
-            raise UserError("zoomr detail=fadkv codes post-RoPE keys: train with `kvzip train-dict --keys post-rope`")
+            raise UserError(f"method '{self.name}' with detail=fadkv needs a dictionary trained for this model, and "
+                            "none was given")
+        trained = dictionaries.meta.get("keys", "post-rope")
+        if trained != "post-rope":
+            raise UserError(f"method '{self.name}' with detail=fadkv codes post-rope keys; this dictionary was trained "
+                            f"on {trained} keys: use a dictionary trained on post-rope keys")
         sparsity = int(dictionaries.meta.get("sparsity", 8))  # the sparsity the dictionary was trained for
         return ZoomRCache(self, layers, coder=_prepare(dictionaries, model.device), sparsity=sparsity, ropes=ropes,
                           windows=windows)
