@@ -22,12 +22,15 @@ def test_cli_json_has_the_promised_fields():
     proc = run_cli("generate", "--method", "window", "--opt", "window=16", "--max-new-tokens", "40", "--ignore-eos",
                    "--json", "List some animals.")
     assert proc.returncode == 0, proc.stderr
-    record = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("completion", "new_tokens", "decode_tokens_per_s", "ttft_s", "kv_bytes", "kv_bytes_fp16_full"):
-        assert key in record
-    assert record["new_tokens"] == 40
+    lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    record, summary = lines[0], lines[-1]["summary"]
+    assert record["new_tokens"] == 40 and record["completion"]
+    batch = summary["batches"][0]
+    for key in ("decode_tokens_per_s", "ttft_s", "kv_bytes_peak", "kv_bytes_full", "kv_ratio_vs_full",
+                "kv_bytes_fp16_full"):
+        assert key in batch
     # The window (4 sinks + 16 recent) holds far fewer tokens than the prompt plus the answer.
-    assert record["kv_bytes_final"] < record["kv_bytes_full"] / 2
+    assert batch["kv_bytes_final"] < batch["kv_bytes_full"] / 2
 
 
 def test_full_method_equals_model_generate(default_model):
@@ -49,8 +52,9 @@ def test_batch_file_writes_results_atomically(tmp_path):
     out = tmp_path / "out.jsonl"
     proc = run_cli("generate", "--input", str(prompts), "--output", str(out), "--max-new-tokens", "12")
     assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    *rows, summary = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and all(r["completion"] for r in rows)
+    assert summary["summary"]["rows"] == 2 and summary["summary"]["batches"][0]["kv_bytes_peak"] > 0  # batch figures once
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
