@@ -43,8 +43,8 @@ def main() -> None:
     from kvzip.cli.options import parse_opts
     from kvzip.errors import UserError
     from kvzip.methods import get_method
-    from kvzip.methods.fadkv import FadkvLayer, _prepare
-    from kvzip.sparse.dictionary import KVDictionary
+    from kvzip.methods.fadkv import FadkvLayer
+    from kvzip.sparse.dictionary import KVDictionary, prepare_layers
 
     try:  # a bad --opt is one line, like the CLI's
         opts = parse_opts(args.opt)
@@ -65,7 +65,7 @@ def main() -> None:
         dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
         method = get_method("fadkv", {"keys": mode, **opts})
         paired = mode == "pre-rope"
-        layer = FadkvLayer(method, *_prepare(dictionaries, "cpu", paired=paired)[args.layer],
+        layer = FadkvLayer(method, *prepare_layers(dictionaries, "cpu", paired=paired)[args.layer],
                            rope=inv_freq if paired else None)
         layer.update(keys, values)
         layer._compress(prefill=True)

@@ -239,14 +239,14 @@ def test_zoomr_content_index_is_the_mean_of_each_layers_content_keys(name):
     """The index of every thought on every layer: its summary tokens' keys as the layer's projection wrote them
     during this very run (caught inside the model), averaged; on Gemma 3 the sliding layers' keys turn back by the
     local RoPE base and the global layer's by its own."""
-    method = tiny_method("zoomr", index_space="content", index="mean", index_norm="none")
+    method = tiny_method("zoomr")
     with content_keys(family_model(name)) as caught:
         _, cache = run(name, method)
     content = [torch.cat(parts, 1) for parts in caught]  # (Hkv, T, d) per layer, every position fed
     checked = 0
     for i, layer in enumerate(cache.layers):
         for t, summary_pos in enumerate(layer.summary_pos[0]):
-            want = content[i][:, summary_pos].float().mean(1, keepdim=True)  # (Hkv, 1, d)
+            want = content[i][:, summary_pos].float().mean(1)  # (Hkv, d)
             torch.testing.assert_close(layer.index[0][t].float(), want, atol=1e-4, rtol=1e-4)
             checked += 1
     assert checked >= len(cache.layers)  # every layer indexed at least one thought

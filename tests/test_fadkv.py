@@ -9,8 +9,9 @@ import torch
 from kvzip import engine
 from kvzip.errors import UserError
 from kvzip.methods import get_method
-from kvzip.methods.fadkv import FadkvLayer, _prepare
+from kvzip.methods.fadkv import FadkvLayer
 from kvzip.rope import from_pairs, rotate
+from kvzip.sparse.dictionary import prepare_layers
 
 SMALL = {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2"}
 
@@ -18,7 +19,7 @@ SMALL = {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2"
 def make_layer(tiny_dictionaries, batch=1, heads=2, inv_freq=None, **opts):
     method = get_method("fadkv", {**SMALL, **opts})
     # pre-RoPE layers keep key atoms (and the key mean, random here) in to_pairs order
-    d_k, d_v, g_k, g_v, _ = _prepare(tiny_dictionaries, "cpu", paired=inv_freq is not None)[0]
+    d_k, d_v, g_k, g_v, _ = prepare_layers(tiny_dictionaries, "cpu", paired=inv_freq is not None)[0]
     mean = torch.randn(heads, d_k.shape[1], generator=torch.Generator().manual_seed(0)) * 0.3
     return method, FadkvLayer(method, d_k, d_v, g_k, g_v, mean, rope=inv_freq)
 

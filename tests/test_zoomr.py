@@ -1,4 +1,5 @@
-"""Fast tier for zoomr, sumr and h2o on the tiny random Llama: segmentation, index keys, votes, tiers, batching."""
+"""Fast tier for zoomr, sumr and h2o on the tiny random Llama: segmentation, summaries, index keys, votes, tiers,
+batching; the machinery is kvzip/methods/thoughts/."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from kvzip import engine
 from kvzip.bench.recall import forced_decode
 from kvzip.errors import UserError
 from kvzip.methods import get_method
-from kvzip.methods.zoomr import ZoomRCache, parse_boundary
+from kvzip.methods.thoughts.segment import Row, parse_boundary
+from kvzip.methods.thoughts.summary import novelty, pick_summary
+from kvzip.rope import unrotate
 
-SMALL = {"window": "8", "r": "2", "min_thought": "4", "max_thought": "64"}
+SMALL = {"window": "8", "summary_tokens": "2", "min_thought_tokens": "4", "max_thought_tokens": "64"}
 
 
 def feed(model, tok, method, prompt: str, text: str, **kw):
@@ -40,7 +43,7 @@ def test_max_thought_and_token_id_boundaries():
 
 
 def test_generated_summaries_use_the_marker_span(tiny, tokenizer):
-    opts = {**SMALL, "summary": "generated", "begin_marker": "<S>", "end_marker": "<E>"}
+    opts = {**SMALL, "summary_source": "generated", "begin_marker": "<S>", "end_marker": "<E>"}
     text = "a long thought without breaks<S>short sum<E>next"
     cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", opts), "p", text)
     row, plen = cache.rows[0], 1 + 1
@@ -48,16 +51,16 @@ def test_generated_summaries_use_the_marker_span(tiny, tokenizer):
     assert row.thoughts == [(plen, s)] and row.spans == [(s, plen + text.index("<E>") + 3)]
     layer = cache.layers[1]
     assert layer.summary_pos[0][0].tolist() == list(range(*row.spans[0]))
-    # The index key is the mean of the summary keys; the summary tokens stay on the device.
+    # The summary tokens stay on the device.
     assert torch.equal(layer.pos[0][torch.isin(layer.pos[0], layer.summary_pos[0][0])], layer.summary_pos[0][0])
 
 
 @pytest.mark.parametrize("detail, atol, value_bytes", [("host", 1e-5, 4), ("int8", 5e-3, 1)])
-def test_index_key_is_mean_of_summary_keys_and_detail_is_on_host(tiny, tokenizer, detail, atol, value_bytes):
+def test_detail_is_on_host(tiny, tokenizer, detail, atol, value_bytes):
     """The detail tier holds every thought's K/V off the device: dense copies (detail=host) or int8 with one fp16
     scale per vector (detail=int8, the default: within the int8 step of the keys, a quarter of fp32's bytes)."""
     text = "one two three four.\n\nfive six seven eight.\n\nnine ten eleven twelve"
-    opts = {**SMALL, "c": "1", "index_space": "rotated", "detail": detail}
+    opts = {**SMALL, "zoom_thoughts": "1", "detail": detail}
     cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", opts), "hello", text)
     full = get_method("full").make_cache(tiny)
     ids = tokenizer("hello")["input_ids"] + tokenizer(text)["input_ids"][1:]
@@ -70,122 +73,92 @@ def test_index_key_is_mean_of_summary_keys_and_detail_is_on_host(tiny, tokenizer
         hk, hv = layer0._load(0, t)
         assert hk.shape == (2, e - s, 16)
         assert torch.allclose(hk, ref[0, :, s:e], atol=atol)
-        assert torch.allclose(layer0.index[0][t], ref[0, :, layer0.summary_pos[0][t]].mean(1, keepdim=True), atol=1e-5)
     scales = 0 if detail == "host" else 2  # one fp16 scale per (head, token) vector
     detail_bytes = sum(2 * (e - s) * 2 * (16 * value_bytes + scales) for s, e in row.thoughts) * len(cache.layers)
     assert cache.memory()["host"] == detail_bytes
 
 
 def test_content_index_key_is_mean_of_unrotated_summary_keys(tiny, tokenizer):
-    """index_space=content (the default): the index holds summary keys with RoPE undone, so scores ignore position."""
-    from kvzip.methods.zoomr import unrotate
-
+    """The index holds the mean of each thought's summary keys with RoPE undone, so scores ignore position."""
     text = "one two three four.\n\nfive six seven eight.\n\nnine ten eleven twelve"
-    cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "c": "1"}), "hello", text)
+    cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "zoom_thoughts": "1"}), "hello", text)
     full = get_method("full").make_cache(tiny)
     ids = tokenizer("hello")["input_ids"] + tokenizer(text)["input_ids"][1:]
     with torch.inference_mode():
         tiny(input_ids=torch.tensor([ids]), cache=full, use_cache=True)
     layer0, ref = cache.layers[0], full.layers[0].keys
-    assert cache.content_index and len(cache.rows[0].thoughts) >= 2
+    assert len(cache.rows[0].thoughts) >= 2
     for t in range(len(cache.rows[0].thoughts)):
         pos = layer0.summary_pos[0][t]
-        want = unrotate(ref[0][:, pos], pos, layer0.rope).mean(1, keepdim=True)
+        want = unrotate(ref[0][:, pos], pos, layer0.rope).mean(1)  # (Hkv, d)
         assert torch.allclose(layer0.index[0][t], want, atol=1e-5)
 
 
-def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
-    cache = get_method("zoomr", {"k": "1", "c": "1", "index_space": "rotated"}).make_cache(tiny)
+def voting_layer(tiny, keys, opts):
+    """Layer 0 of a fresh zoomr cache holding index keys `keys` (per thought (Hkv, d)) for one row, every thought
+    finished, the row voting; its buffer's last token at position 0, where turning the query back changes nothing."""
+    cache = get_method("zoomr", opts).make_cache(tiny)
     layer = cache.layers[0]
     layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
-    g = torch.Generator().manual_seed(0)
-    keys = [torch.nn.functional.normalize(torch.randn(2, 16, generator=g), dim=-1) for _ in range(5)]
-    layer.index[0] = [k[:, None] for k in keys]  # (Hkv, 1, d): index=mean stores one key per thought and head
-    from kvzip.methods.zoomr import Row
-
+    layer.pos = torch.zeros(1, 1, dtype=torch.long)
+    layer.index[0] = list(keys)
     cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
-    cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(5)]
+    cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(len(keys))]
     cache.voting, cache.any_voting = torch.ones(1, dtype=torch.bool), True
-    query = (10 * keys[3]).repeat_interleave(2, dim=0)[None]  # (1, Hq=4, 16): every head points at thought 3
-    layer._vote(query)
-    assert cache.votes.argmax().item() == 3 and cache.votes[0, 3] == 4  # 4 query heads, 1 vote each
+    return cache, layer
+
+
+def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
+    eye = torch.eye(16)
+    keys = [eye[t].expand(2, 16) for t in range(5)]  # (Hkv, d): thought t's index key is direction t
+    cache, layer = voting_layer(tiny, keys, {"votes_per_head": "1", "zoom_thoughts": "1"})
+    layer._vote((10 * eye[3]).expand(1, 4, 16))  # (1, Hq=4, 16): every head points at thought 3
+    assert cache.ballot.votes.argmax().item() == 3 and cache.ballot.votes[0, 3] == 4  # 4 query heads, 1 vote each
     assert cache._select() and cache.rows[0].zoom == [3]
 
 
-def test_index_max_scores_a_thought_by_its_best_matching_summary_key(tiny):
-    """index=max: thought 1 holds, among two summary keys, the one the query points at; its mean would not win."""
-    cache = get_method("zoomr", {"k": "1", "c": "1", "index": "max", "index_space": "rotated", "index_norm": "none"}).make_cache(tiny)
-    layer = cache.layers[0]
-    layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
-    target = torch.nn.functional.normalize(torch.ones(2, 16), dim=-1)
-    decoy = 0.6 * target  # a thought whose summary keys all lean towards the query, none matching it closely
-    layer.index[0] = [torch.stack([decoy, decoy], 1), torch.stack([target, -target], 1), torch.stack([decoy, -decoy], 1)]
-    from kvzip.methods.zoomr import Row
-
-    cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
-    cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(3)]
-    cache.voting, cache.any_voting = torch.ones(1, dtype=torch.bool), True
-    query = (10 * target).repeat_interleave(2, dim=0)[None]
-    layer._vote(query)
-    assert cache.votes.argmax().item() == 1  # the mean of thought 1's keys is 0: index=mean would rank it last
-
-
-@pytest.mark.parametrize("norm, winner", [("none", 0), ("centered", 2)])
-def test_centered_index_removes_what_every_thought_shares(tiny, norm, winner):
-    """index_norm=centered: every index key holds a shared direction, thought 0 five times more of it (its summary
-    kept the task's recurring words). A query about thought 2's own content with a little of the shared direction
-    votes for thought 0 on raw scores; with the mean over thoughts removed and unit length, thought 2 wins."""
-    cache = get_method("zoomr", {"k": "1", "c": "1", "index_space": "rotated", "index_norm": norm}).make_cache(tiny)
-    layer = cache.layers[0]
-    layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
+def test_centered_index_removes_what_every_thought_shares(tiny):
+    """Every index key holds a shared direction, thought 0 five times more of it (its summary kept the task's
+    recurring words). A query about thought 2's own content with a little of the shared direction scores thought 0
+    highest on raw keys; with the mean over thoughts removed and unit length, thought 2 wins the votes."""
     eye = torch.eye(16)
     shared, own = eye[0], eye[1:5]  # the shared direction; thought t's own direction own[t]
-    keys = [5.0 * shared + own[0], shared + own[1], shared + own[2], shared + own[3]]
-    layer.index[0] = [k.expand(2, 16)[:, None].clone() for k in keys]  # (Hkv, 1, d) per thought
-    from kvzip.methods.zoomr import Row
-
-    cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
-    cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(4)]
-    cache.voting, cache.any_voting = torch.ones(1, dtype=torch.bool), True
-    query = (0.3 * shared + own[2]).expand(4, 16)[None]  # (1, Hq=4, 16)
-    layer._vote(query)
-    assert cache.votes.argmax().item() == winner
-    if norm == "centered":
-        stacked, _ = layer.stacked  # (B, Hkv, T, R, d)
-        raw = torch.stack(keys)  # (T, d)
-        want = torch.nn.functional.normalize(raw - raw.mean(0), dim=-1)
-        torch.testing.assert_close(stacked[0, 0, :, 0], want)
-        torch.testing.assert_close(stacked[0, 1, :, 0], want)
+    raw = torch.stack([5.0 * shared + own[0], shared + own[1], shared + own[2], shared + own[3]])  # (T, d)
+    query = 0.3 * shared + own[2]
+    assert (raw @ query).argmax().item() == 0
+    cache, layer = voting_layer(tiny, [k.expand(2, 16) for k in raw], {"votes_per_head": "1", "zoom_thoughts": "1"})
+    layer._vote(query.expand(1, 4, 16))  # (1, Hq=4, 16)
+    assert cache.ballot.votes.argmax().item() == 2
+    stacked, _ = layer.stacked  # (B, Hkv, T, d)
+    want = torch.nn.functional.normalize(raw - raw.mean(0), dim=-1)
+    torch.testing.assert_close(stacked[0, 0], want)
+    torch.testing.assert_close(stacked[0, 1], want)
 
 
 def test_novel_pick_keeps_the_tokens_unlike_the_keys_before_the_thought(tiny):
-    """pick=novel: a thought token whose content key (RoPE undone) repeats a prompt key scores ~0; new ones score high."""
-    from kvzip.methods.zoomr import unrotate
-
-    cache = get_method("zoomr", {"pick": "novel", "r": "2"}).make_cache(tiny)
-    layer = cache.layers[0]
+    """summary_pick=novel: a thought token whose content key (RoPE undone) repeats a prompt key scores ~0; new ones
+    score high, and those are the ones the summary keeps."""
+    rope = get_method("zoomr").make_cache(tiny).layers[0].rope
     g = torch.Generator().manual_seed(0)
     a, b, c, d, e, f = (torch.randn(2, 1, 16, generator=g) for _ in range(6))  # content keys (Hkv, 1, d)
     content = torch.cat([a, b, c, d, a, e, b, f], 1)  # prompt: positions 0-3; the thought: 4-7 repeats a and b
-    pos = torch.arange(8)
-    rotated = unrotate(content, -pos, layer.rope)  # turning by -pos is RoPE at pos
-    layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
-    layer.keys, layer.pos = rotated[None], pos[None]
-    score = layer._novelty(0, 4, torch.arange(4, 8))
+    score = novelty(content[:, 4:], content[:, :4])
     assert score[0] < 1e-4 and score[2] < 1e-4 and score[1] > 0.1 and score[3] > 0.1
-    assert set(score.topk(2).indices.tolist()) == {1, 3}
+    pos = torch.arange(8)
+    rotated = unrotate(content, -pos, rope)  # turning by -pos is RoPE at pos: the keys as the cache holds them
+    kept = pick_summary(rotated, pos, torch.arange(4, 8), torch.arange(4), 2, "novel", rope)
+    assert kept.tolist() == [5, 7]
+    assert pick_summary(rotated, pos, torch.arange(4, 8), torch.arange(4), 9, "novel", rope).tolist() == [4, 5, 6, 7]
 
 
 @pytest.mark.parametrize("decay, expect", [(0.0, [2]), (0.5, [1])])
 def test_decay_carries_earlier_votes_into_the_next_selection(tiny, decay, expect):
-    from kvzip.methods.zoomr import Row
-
-    cache = get_method("zoomr", {"c": "1", "decay": str(decay)}).make_cache(tiny)
+    cache = get_method("zoomr", {"zoom_thoughts": "1", "vote_decay": str(decay)}).make_cache(tiny)
     cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
     cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(3)]
-    cache.votes = torch.tensor([[0.0, 10.0, 0.0]])
+    cache.ballot.votes = torch.tensor([[0.0, 10.0, 0.0]])
     assert cache._select() and cache.rows[0].zoom == [1]
-    cache.votes = torch.tensor([[0.0, 0.0, 4.0]])  # a weaker vote for thought 2 next: 0.5 * 10 > 4 keeps thought 1
+    cache.ballot.votes = torch.tensor([[0.0, 0.0, 4.0]])  # a weaker vote for thought 2: 0.5 * 10 > 4 keeps thought 1
     cache._select()
     assert cache.rows[0].zoom == expect
 
@@ -193,7 +166,7 @@ def test_decay_carries_earlier_votes_into_the_next_selection(tiny, decay, expect
 def test_zooming_in_on_every_thought_equals_full(tiny, tokenizer):
     """With every thought zoomed in at every step, the active context is everything: logits match full."""
     text = "alpha beta gamma.\n\ndelta epsilon zeta.\n\neta theta iota.\n\nkappa lambda mu nu xi"
-    opts = {**SMALL, "k": "50", "c": "50", "select": "token"}
+    opts = {**SMALL, "votes_per_head": "50", "zoom_thoughts": "50", "select_at": "token"}
     cache, preds, logits, peak = feed(tiny, tokenizer, get_method("zoomr", opts), "start", text)
     _, full_preds, full_logits, _ = feed(tiny, tokenizer, get_method("full"), "start", text)
     assert len(cache.rows[0].thoughts) == 3 and cache.rebuilds > 0
@@ -202,7 +175,7 @@ def test_zooming_in_on_every_thought_equals_full(tiny, tokenizer):
 
 def test_active_context_is_prompt_summaries_zoom_and_tail(tiny, tokenizer):
     text = "".join(f"thought number {i} says hi.\n\n" for i in range(8)) + "end"
-    cache, _, _, peak = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "c": "1"}), "the prompt", text)
+    cache, _, _, peak = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "zoom_thoughts": "1"}), "the prompt", text)
     row = cache.rows[0]
     for layer in cache.layers:
         active = set(layer.pos[0].tolist())
@@ -221,12 +194,13 @@ def test_sumr_keeps_no_detail_and_never_zooms(tiny, tokenizer):
     text = "".join(f"thought number {i} says hi.\n\n" for i in range(6))
     cache, _, _, _ = feed(tiny, tokenizer, get_method("sumr", SMALL), "p", text)
     assert cache.memory()["host"] == 0 and cache.rows[0].zoom == [] and len(cache.rows[0].thoughts) == 6
+    assert cache.ballot is None and not any(ix for layer in cache.layers for ix in layer.index)  # no index to vote on
 
 
-@pytest.mark.parametrize("name", ["zoomr", "sumr", "h2o", "zoomr-attention", "zoomr-novel"])
+@pytest.mark.parametrize("name", ["zoomr", "sumr", "h2o", "zoomr-thought", "sumr-novel"])
 def test_left_padded_batch_matches_rows_one_by_one(tiny, tokenizer, name):
-    opts = {"h2o": {"heavy": "6", "window": "6"}, "zoomr-attention": {**SMALL, "pick": "attention"},
-            "zoomr-novel": {**SMALL, "pick": "novel", "select": "token", "decay": "0.8", "index_space": "content"}}
+    opts = {"h2o": {"heavy": "6", "window": "6"}, "sumr-novel": {**SMALL, "summary_pick": "novel"},
+            "zoomr-thought": {**SMALL, "summary_pick": "norm", "select_at": "thought", "vote_decay": "0"}}
     opts = opts.get(name, SMALL)
     method = get_method(name.split("-")[0], opts)
     prompts = [tokenizer("a")["input_ids"], tokenizer("a much longer prompt here")["input_ids"]]
@@ -246,15 +220,21 @@ def test_h2o_keeps_heavy_hitters_and_window(tiny, tokenizer):
 
 
 def test_options_are_validated():
-    assert get_method("zoomr", {"summary": "generated"}).summary_mode == "generated"
-    with pytest.raises(UserError, match="pick='x' is not allowed"):
-        get_method("zoomr", {"pick": "x"})
-    with pytest.raises(UserError, match="max_thought"):
-        get_method("sumr", {"min_thought": "10", "max_thought": "5"})
-    with pytest.raises(UserError, match="decay must be in"):
-        get_method("zoomr", {"decay": "1.5"})
-    with pytest.raises(UserError, match="has no option 'c'"):
-        get_method("sumr", {"c": "2"})
+    assert get_method("zoomr", {"summary_source": "generated"}).summary_source == "generated"
+    with pytest.raises(UserError, match="summary_pick='attention' is not allowed; use one of: norm, novel"):
+        get_method("zoomr", {"summary_pick": "attention"})
+    with pytest.raises(UserError, match="select_at='sentence' is not allowed; use one of: token, thought"):
+        get_method("zoomr", {"select_at": "sentence"})
+    with pytest.raises(UserError, match="max_thought_tokens"):
+        get_method("sumr", {"min_thought_tokens": "10", "max_thought_tokens": "5"})
+    with pytest.raises(UserError, match="vote_decay must be in"):
+        get_method("zoomr", {"vote_decay": "1.5"})
+    for gone in ("zoom_thoughts", "detail"):  # sumr never zooms in and keeps no detail
+        with pytest.raises(UserError, match=f"has no option '{gone}'"):
+            get_method("sumr", {gone: "2"})
+    for gone in ("index", "index_space", "index_norm", "summary", "r", "k", "c"):  # fixed, or renamed
+        with pytest.raises(UserError, match=f"has no option '{gone}'"):
+            get_method("zoomr", {gone: "1"})
 
 
 def test_fadkv_detail_codes_the_host_tier(tiny, tokenizer, tiny_dictionaries):

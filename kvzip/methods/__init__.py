@@ -1,7 +1,8 @@
 """The method registry: every `--method` name maps to a Method dataclass; CLI choices, tests and bench read it.
 
 A new method is a new file in this folder holding a `Method` subclass with a `name`: it is found here without any
-other edit, and the test matrix and the bench pick it up.
+other edit, and the test matrix and the bench pick it up. Subpackages (kvzip/methods/thoughts/, the machinery zoomr
+and sumr share) hold no methods and are not searched.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ _ORDER = ["full", "window", "h2o", "sumr", "zoomr", "lexico", "fadkv", "hf-fp8",
 def _discover() -> dict[str, type[Method]]:
     found: dict[str, type[Method]] = {}
     for info in pkgutil.iter_modules(__path__):
-        if info.name == "base":
+        if info.name == "base" or info.ispkg:
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         for obj in vars(module).values():

@@ -34,10 +34,10 @@ import torch
 from kvzip.attention import causal_tail, dense_attention, gather_mask, gather_tokens, leading_padding
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
-from kvzip.rope import (attention_windows, as_rope, layer_ropes, phasors, to_pairs, turn_pairs,
-                        visible_from)
+from kvzip.rope import attention_windows, as_rope, layer_ropes, phasors, to_pairs, turn_pairs, visible_from
 from kvzip.sparse import CACHE_CODERS, KEY_MODES, KEY_OPTIONS, attention as coded
-from kvzip.sparse.omp import gram_matrix, omp, reconstruct
+from kvzip.sparse.dictionary import prepare_layers
+from kvzip.sparse.omp import omp, reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS, screen
 
 ADAPT = ("fixed", "append", "none")
@@ -550,7 +550,7 @@ class Fadkv(Method):
         if max(self.sparsity, self.sparsity_v) > dictionaries.keys.shape[1]:
             raise UserError(f"sparsity {max(self.sparsity, self.sparsity_v)} exceeds the dictionary's "
                             f"{dictionaries.keys.shape[1]} atoms")
-        prepared = _prepare(dictionaries, model.device, paired=[r.dim for r in ropes] if ropes else False)
+        prepared = prepare_layers(dictionaries, model.device, paired=[r.dim for r in ropes] if ropes else False)
         self.shared_bytes = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
         memo: dict = {}
         return FadkvCache([FadkvLayer(self, *prepared[i], rope=ropes[i] if ropes else None, rope_memo=memo,
@@ -568,23 +568,3 @@ class Lexico(Fadkv):
     adapt: str = "none"
     preferred_keys: typing.ClassVar[str] = "post-rope"  # as Lexico codes them (q·D shared by every token)
 
-
-def _prepare(dictionaries, device, paired: bool | list[int] = False):
-    """Per layer: fp32 atoms and Gram matrices on the device, computed once per dictionary object. `paired`: key atoms
-    and key mean in `to_pairs` order, as pre-RoPE layers keep them (the Gram matrix does not change); True pairs every
-    channel, a list gives each layer's rotary width (partial rotary leaves the other channels in place)."""
-    key = (str(device), paired if isinstance(paired, bool) else tuple(paired))
-    cache = dictionaries.__dict__.setdefault("_prepared", {})
-    if key not in cache:
-        out = []
-        for i in range(dictionaries.keys.shape[0]):
-            d_k = dictionaries.keys[i].float().to(device)
-            d_v = dictionaries.values[i].float().to(device)
-            mean = None if dictionaries.key_mean is None else dictionaries.key_mean[i].float().to(device)
-            if paired:
-                dim = None if paired is True else paired[i]
-                d_k = to_pairs(d_k, dim).contiguous()
-                mean = None if mean is None else to_pairs(mean, dim).contiguous()
-            out.append((d_k, d_v, gram_matrix(d_k), gram_matrix(d_v), mean))
-        cache[key] = out
-    return cache[key]

@@ -1,17 +1,18 @@
 """`sumr`: the summaries-only baseline of ZoomR: every finished thought keeps its summary on the device, never zooms in.
 
-Same segmentation, summaries and recent tail as `zoomr` (kvzip/methods/zoomr.py) but no votes, no zoom-in and no
-detail tier: a thought's other tokens are dropped once it leaves the recent window. The paper's "summaries without
-zoom-in" row; comparing it with `zoomr` at the same device budget measures what zoom-in retrieval buys.
+Same segmentation, summaries and recent tail as `zoomr` (kvzip/methods/zoomr.py) but no index, no votes, no zoom-in
+and no detail tier: a thought's other tokens are dropped once it leaves the recent window. The paper's "summaries
+without zoom-in" row; comparing it with `zoomr` at the same device budget measures what zoom-in retrieval buys.
+Its defaults are the first defaults of the shared options (`summary_pick=norm`, `summary_tokens=4`: docs/zoomr.md).
 """
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass
 
 from kvzip.methods.base import KVCache, model_layout
-from kvzip.methods.zoomr import ThoughtOptions, ZoomRCache
+from kvzip.methods.thoughts.cache import ThoughtCache
+from kvzip.methods.zoomr import ThoughtOptions
 from kvzip.rope import attention_windows, layer_ropes
 
 
@@ -21,17 +22,11 @@ class SumR(ThoughtOptions):
 
     name = "sumr"
     summary = "summaries of past thoughts + prompt + recent window, never zooms in (ZoomR baseline)"
-    test_options = {"window": "8", "r": "2", "min_thought": "4", "max_thought": "8"}
+    test_options = {"window": "8", "summary_tokens": "2", "min_thought_tokens": "4", "max_thought_tokens": "8"}
     lossless_options = {"window": "100000"}
-    k: typing.ClassVar[int] = 0
-    c: typing.ClassVar[int] = 0
-    select: typing.ClassVar[str] = "thought"
-    decay: typing.ClassVar[float] = 0.0
-    index: typing.ClassVar[str] = "mean"  # sumr never votes, so how its index is scored does not matter
-    index_space: typing.ClassVar[str] = "rotated"
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
-        ropes = layer_ropes(model, f"{self.name} pick=novel") if self.pick == "novel" else None
-        return ZoomRCache(self, layers, zoom=False, keep_detail=False, ropes=ropes,
-                          windows=attention_windows(model, self.name))
+        novel = self.summary_pick == "novel"  # the only part of sumr that turns keys back
+        ropes = layer_ropes(model, f"{self.name} summary_pick=novel") if novel else [None] * layers
+        return ThoughtCache(self, self.thought_config(), ropes, attention_windows(model, self.name))

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvzip.files import atomic_path
+from kvzip.rope import to_pairs
 from kvzip.sparse import KEY_MODES
+from kvzip.sparse.omp import gram_matrix
 
 FORMAT_VERSION = "1"
 FINGERPRINT_KEYS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "rope_theta", "config_hash")
@@ -41,6 +44,8 @@ class KVDictionary:
     values: torch.Tensor
     meta: dict[str, str] = field(default_factory=dict)
     key_mean: torch.Tensor | None = None
+    # `prepare_layers` results by (device, pairing): a dictionary is prepared once, however many caches use it
+    prepared: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         assert self.keys.dim() == 3 and self.keys.shape == self.values.shape, \
@@ -121,6 +126,39 @@ class KVDictionary:
                 raise DictionaryError(
                     f"dictionary was made for a model with {what} {have.get(key, 'unknown')}, this model has "
                     f"{what} {expected[key]}; train one with `kvzip train-dict`")
+
+
+class LayerAtoms(NamedTuple):
+    """One layer's dictionary as a cache codes with it: fp32 atoms (N, d) and Gram matrices (N, N) on the device,
+    and the per-KV-head key mean (Hkv, d) or None."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_gram: torch.Tensor
+    value_gram: torch.Tensor
+    key_mean: torch.Tensor | None
+
+
+def prepare_layers(dictionaries: KVDictionary, device, paired: bool | list[int] = False) -> list[LayerAtoms]:
+    """Per layer: the atoms and Gram matrices a cache codes with, computed once per dictionary, device and pairing.
+
+    `paired`: key atoms and key mean in `to_pairs` order, as layers coding pre-RoPE keys keep them (the Gram matrix
+    does not change); True pairs every channel, a list gives each layer's rotary width (partial rotary leaves the
+    other channels in place)."""
+    key = (str(device), paired if isinstance(paired, bool) else tuple(paired))
+    if key not in dictionaries.prepared:
+        out = []
+        for i in range(dictionaries.num_layers):
+            d_k = dictionaries.keys[i].float().to(device)
+            d_v = dictionaries.values[i].float().to(device)
+            mean = None if dictionaries.key_mean is None else dictionaries.key_mean[i].float().to(device)
+            if paired:
+                dim = None if paired is True else paired[i]
+                d_k = to_pairs(d_k, dim).contiguous()
+                mean = None if mean is None else to_pairs(mean, dim).contiguous()
+            out.append(LayerAtoms(d_k, d_v, gram_matrix(d_k), gram_matrix(d_v), mean))
+        dictionaries.prepared[key] = out
+    return dictionaries.prepared[key]
 
 
 def make_meta(fingerprint: dict, s: int, keys: str, source: str, tokens: int,

@@ -1,0 +1,323 @@
+"""The cache of zoomr and sumr: per row, the prompt, every thought's summary, the zoomed thoughts and the recent tail.
+
+Active context on the device, per row = the prompt (kept in full; it holds the attention sinks) + every finished
+thought's summary + (zoomr) the zoomed thoughts' full K/V, loaded back from the detail tier + the recent tail (the
+last `window` tokens and the whole unfinished thought). Rows of a left-padded batch have their own thoughts; the
+device buffer is padded per row (position -1). A row's buffer is rebuilt when its zoom set changes or its tail has
+moved by a quarter window, each row on its own schedule, so a row of a batch keeps exactly what it would keep alone.
+
+Zoom-in is applied one step late: layer L attends before layer L+1 has even computed its query, so the consensus of
+the votes exists only after the whole forward. Votes cast during one token's forward choose the zoom set from the
+next forward on.
+
+`ThoughtConfig` says what a cache does: zoomr zooms in (`zoom`) and keeps a detail tier (`detail`); sumr does
+neither, so it builds no index and drops a thought's other tokens once they leave the tail.
+
+Models with more than one kind of layer (Gemma 3's sliding-window and global layers): each layer turns keys back by
+its own RoPE (kvzip.rope), and a sliding-window layer applies all of the above within its window only: its active
+context drops whatever its next query can no longer see, its detail of a thought goes once the thought has left the
+window, and it votes only for thoughts still (partly) inside the window.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvzip.attention import causal_tail, gather_mask, leading_padding
+from kvzip.methods.base import KVCache, KVLayer, tensor_bytes
+from kvzip.methods.thoughts.detail import part_bytes
+from kvzip.methods.thoughts.index import Ballot, head_votes, stack_index
+from kvzip.methods.thoughts.segment import Row, Segmentation
+from kvzip.methods.thoughts.summary import pick_summary
+from kvzip.rope import unrotate, visible_from
+
+
+@dataclass(frozen=True)
+class Zoom:
+    """How queries choose thoughts to zoom in on (kvzip.methods.thoughts.index)."""
+
+    votes_per_head: int
+    zoom_thoughts: int
+    select_at: str  # "token": a vote at every step; "thought": at every thought end
+    vote_decay: float
+
+
+@dataclass(frozen=True)
+class ThoughtConfig:
+    """What a thought cache does: its segmentation, summaries and tail, and whether it zooms in and keeps a detail
+    tier. `detail` is one store per layer (kvzip.methods.thoughts.detail); zooming in needs it."""
+
+    segmentation: Segmentation
+    summary_tokens: int
+    summary_pick: str
+    window: int
+    zoom: Zoom | None = None
+    detail: list | None = None
+
+    def __post_init__(self):
+        assert self.zoom is None or self.detail is not None, "zooming in needs a detail tier to load thoughts from"
+
+
+class ThoughtLayer(KVLayer):
+    def __init__(self, cache: "ThoughtCache", idx: int, rope=None, sliding: int | None = None):
+        super().__init__(sliding)
+        self.cache, self.idx, self.version = cache, idx, 0
+        self.rope = rope  # this layer's Rope: content-space index keys and summary_pick=novel
+        self.detail_store = None if cache.config.detail is None else cache.config.detail[idx]
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        self.keys = key_states[:, :, :0]  # (B, Hkv, S, d) active context
+        self.values = value_states[:, :, :0]
+        self.pos = torch.empty(self.batch, 0, dtype=torch.long, device=self.device)  # (B, S), -1 = empty slot
+        self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
+        self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key (zoom only)
+        self.detail = [[] for _ in range(self.batch)]  # per row, per thought: K and V parts off the device
+        self.stacked = None  # centred index keys (B, Hkv, T, d) and valid (B, T), built when first needed
+        self.host_bytes = 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        self.keys = torch.cat([self.keys, key_states], dim=2)
+        self.values = torch.cat([self.values, value_states], dim=2)
+        new = torch.arange(self.seen, self.seen + q, device=self.device).expand(self.batch, q)
+        self.pos = torch.cat([self.pos, new], dim=1)
+        self.seen += q
+        return self.keys, self.values
+
+    def attend(self, module, query, key, value, mask, scaling):
+        c = self.cache
+        if self.idx == 0:
+            c.begin_forward(mask, query.shape[2], self.batch, self.device)
+        t0 = time.perf_counter()
+        if self.version != c.version:
+            self._rebuild(visible_from(self.seen - query.shape[2], self.sliding))
+        c.overhead_s += time.perf_counter() - t0
+        out = self._attention(query, mask, scaling)
+        t0 = time.perf_counter()
+        for b, t in c.finishing:
+            self._finalize(b, t)
+        if c.any_voting:
+            self._vote(query[:, :, -1])
+        if self.sliding is not None:
+            self._slide()
+        c.overhead_s += time.perf_counter() - t0
+        return out
+
+    def memory(self) -> dict[str, int]:
+        device = tensor_bytes(self.keys, self.values, self.pos)
+        device += sum(tensor_bytes(*ix) for ix in self.index) + (tensor_bytes(*self.stacked) if self.stacked else 0)
+        return {"device": device, "host": self.host_bytes}
+
+    def _slide(self):
+        """Sliding-window layer, after attending: drop what the next query cannot see (the buffer's oldest slots:
+        each row is sorted with its padding in front) and the detail of thoughts that have left the window."""
+        cut = visible_from(self.seen, self.sliding)
+        self.pos = self.pos.masked_fill(self.pos < cut, -1)
+        drop = int((self.pos < 0).sum(1).min())
+        if drop:
+            self.keys, self.values, self.pos = self.keys[:, :, drop:], self.values[:, :, drop:], self.pos[:, drop:]
+        for b, row in enumerate(self.cache.rows):
+            for t, stored in enumerate(self.detail[b]):
+                if stored is not None and row.thoughts[t][1] <= cut:
+                    self.host_bytes -= part_bytes(stored)
+                    self.detail[b][t] = None
+
+    def _attention(self, query, mask, scaling):
+        """query (B, Hq, q, d) over the active buffer -> (B, q, Hq, d)."""
+        valid = (self.pos >= 0)[:, None, None, :]  # (B, 1, 1, S)
+        if mask is not None:
+            m = gather_mask(mask, self.pos.clamp(min=0)) & valid
+        else:
+            m = valid & causal_tail(query.shape[2], self.keys.shape[2], valid.device)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, self.keys, self.values, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != self.kv_heads)
+        return out.transpose(1, 2).contiguous()
+
+    def _row_slots(self, b: int, start: int, end: int) -> torch.Tensor:
+        p = self.pos[b]
+        return ((p >= start) & (p < end)).nonzero().squeeze(-1)  # buffer slots of positions [start, end)
+
+    def _finalize(self, b: int, t: int):
+        """Thought t of row b just ended (all its tokens are in the tail): summary, index key, detail off-device."""
+        c, row = self.cache, self.cache.rows[b]
+        start, end = row.thoughts[t]
+        slots = self._row_slots(b, start, end)
+        if row.spans[t] is not None:
+            keep = self._row_slots(b, *row.spans[t])
+        else:
+            first = row.keep[0][0]  # the row's first real token: its left padding is no reference for novelty
+            p = self.pos[b]
+            before = ((p >= first) & (p < start)).nonzero().squeeze(-1)
+            keep = pick_summary(self.keys[b], p, slots, before, c.config.summary_tokens, c.config.summary_pick,
+                                self.rope)
+        self.summary_pos[b].append(self.pos[b, keep])
+        if c.config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
+            self.index[b].append(unrotate(self.keys[b, :, keep], self.pos[b, keep], self.rope).mean(1))  # (Hkv, d)
+            self.stacked = None
+        if self.detail_store is not None:
+            self.detail[b].append(self.detail_store.store(self.keys[b, :, slots], self.values[b, :, slots]))
+            self.host_bytes += part_bytes(self.detail[b][-1])
+
+    def _load(self, b: int, t: int):
+        """Thought t of row b back on the device: (K, V) each (Hkv, n, d)."""
+        return self.detail_store.load(self.detail[b][t], self.device, self.dtype)
+
+    def _vote(self, q):
+        """q (B, Hq, d): every head votes for its best thoughts; the votes land in the cache's ballot."""
+        c = self.cache
+        if self.stacked is None:
+            self.stacked = stack_index(self.index, q)
+            if self.stacked is None:
+                return
+        keys, valid = self.stacked  # (B, Hkv, T, d), (B, T)
+        q = unrotate(q.transpose(0, 1), self.pos[:, -1], self.rope).transpose(0, 1)  # content against content
+        if self.sliding is not None:  # a sliding-window layer votes only for thoughts it can still see
+            cut = visible_from(self.seen, self.sliding)
+            ends = [[e for _, e in row.thoughts[: valid.shape[1]]] for row in c.rows]
+            ends = torch.tensor([e + [0] * (valid.shape[1] - len(e)) for e in ends], device=valid.device)
+            valid = valid & (ends > cut)
+        top = head_votes(q, keys, valid, c.config.zoom.votes_per_head)  # (B, Hq, k)
+        hits = valid.gather(1, top.flatten(1)) & c.voting[:, None]  # (B, Hq*k) only real thoughts, voting rows
+        c.ballot.add(top.flatten(1), hits.float(), max(len(r.thoughts) for r in c.rows))
+
+    def _rebuild(self, cut: int = 0):
+        """Gather this layer's active context per row from the buffer, loading zoomed thoughts' detail back; positions
+        before `cut` (what a sliding-window layer's queries can no longer see) are left out."""
+        c = self.cache
+        rows_k, rows_v, rows_p = [], [], []
+        for b, row in enumerate(c.rows):
+            p = self.pos[b]
+            if b not in c.rebuilding:  # this row's zoom set and tail did not move: its buffer stays as it is
+                slots = ((p >= 0) & (p >= cut)).nonzero().squeeze(-1)
+                rows_k.append(self.keys[b, :, slots]), rows_v.append(self.values[b, :, slots]), rows_p.append(p[slots])
+                continue
+            wanted = torch.zeros(self.seen, dtype=torch.bool, device=self.device)
+            for s, e in row.keep + [(c.tail_start[b], self.seen)] + [row.thoughts[t] for t in row.zoom]:
+                wanted[s:e] = True
+            for sp in self.summary_pos[b]:
+                wanted[sp] = True
+            wanted[:cut] = False
+            slots = (p >= 0).nonzero().squeeze(-1)
+            slots = slots[wanted[p[slots]]]
+            ks, vs, ps = [self.keys[b, :, slots]], [self.values[b, :, slots]], [p[slots]]
+            missing = wanted.clone()
+            missing[p[p >= 0]] = False
+            for t in row.zoom:
+                s, e = row.thoughts[t]
+                need = missing[s:e].nonzero().squeeze(-1)
+                if need.numel():
+                    hk, hv = self._load(b, t)
+                    ks.append(hk[:, need]), vs.append(hv[:, need]), ps.append(need + s)
+            pos = torch.cat(ps)
+            order = pos.argsort()
+            rows_k.append(torch.cat(ks, 1)[:, order]), rows_v.append(torch.cat(vs, 1)[:, order])
+            rows_p.append(pos[order])
+        width = max(p.numel() for p in rows_p)
+        self.keys = self.keys.new_zeros(self.batch, self.kv_heads, width, self.head_dim)
+        self.values = torch.zeros_like(self.keys)
+        self.pos = torch.full((self.batch, width), -1, dtype=torch.long, device=self.device)
+        for b in range(self.batch):  # left-pad each row so the newest tokens line up at the end
+            n = rows_p[b].numel()
+            self.keys[b, :, width - n:], self.values[b, :, width - n:] = rows_k[b], rows_v[b]
+            self.pos[b, width - n:] = rows_p[b]
+        self.version = c.version
+
+
+class ThoughtCache(KVCache):
+    """Cache-level state shared by the layers: segmentation (on_step), the ballot, the zoom sets, the rebuilds."""
+
+    def __init__(self, method, config: ThoughtConfig, ropes: list, windows: list):
+        self.config = config
+        self.rows: list[Row] = []
+        self.version, self.seen = 0, 0
+        self.finishing: list[tuple[int, int]] = []  # (row, thought) finalized during the current forward
+        self.next_finishing: list[tuple[int, int]] = []
+        self.voting = self.next_voting = None  # (B,) bool rows voting in this / the next forward
+        self.any_voting = self.next_any = False
+        self.ballot = None if config.zoom is None else Ballot(config.zoom.zoom_thoughts, config.zoom.vote_decay)
+        self.tail_start: list[int] = []
+        self.rebuilding: set[int] = set()  # rows whose buffer the current version rebuilds
+        self.overhead_s, self.steps, self.rebuilds = 0.0, 0, 0
+        self.last_zoom: list[list[int]] = []
+        super().__init__([ThoughtLayer(self, i, ropes[i], windows[i]) for i in range(len(windows))], method)
+
+    def on_step(self, token_ids, texts):
+        """The token about to be fed (position self.seen) may end a thought and/or be a selection point."""
+        if not self.rows:
+            return
+        zoom = self.config.zoom
+        for b, row in enumerate(self.rows):
+            ends = row.feed(self.config.segmentation, self.seen, texts[b], int(token_ids[b]))
+            if ends:
+                self.next_finishing.append((b, len(row.thoughts) - 1))
+            vote = zoom is not None and (zoom.select_at == "token" or ends)
+            self.next_voting[b] = vote
+            self.next_any |= vote
+
+    def begin_forward(self, mask, q_len: int, batch: int, device):
+        """Layer 0, before attending: settle the previous forward's votes, plan a rebuild, start this forward."""
+        t0 = time.perf_counter()
+        past = self.seen
+        if not self.rows:
+            pad = leading_padding(mask, batch, device).tolist()
+            self.rows = [Row(p, q_len) for p in pad]
+            self.voting = torch.zeros(batch, dtype=torch.bool, device=device)
+            self.next_voting = torch.zeros_like(self.voting)
+            self.last_zoom = [[] for _ in range(batch)]
+        elif q_len > 1:  # more input (a chat turn): the open thought ends, the new tokens are kept in full
+            for b, row in enumerate(self.rows):
+                if row.take_input(past, q_len):
+                    self.next_finishing.append((b, len(row.thoughts) - 1))
+        changed = self._select()
+        self.seen = past + q_len
+        # The tail keeps the last `window` tokens, every unfinished thought, and everything not yet finalized.
+        window = self.config.window
+        need = []
+        for b, row in enumerate(self.rows):
+            opens = [row.thoughts[t][0] for rb, t in self.next_finishing if rb == b]
+            need.append(min([row.cur, max(self.seen - window, 0)] + opens))
+        moved = [b for b, (n, r) in enumerate(zip(need, self.rows))
+                 if b in changed or n - r.tail_from >= max(window // 4, 1)]
+        if not self.tail_start:
+            self.tail_start = [r.tail_from for r in self.rows]
+        if moved:
+            self.version += 1
+            self.rebuilds += 1
+            self.rebuilding = set(moved)
+            for b in moved:
+                self.tail_start[b] = self.rows[b].tail_from = need[b]
+        self.finishing, self.next_finishing = self.next_finishing, []
+        self.voting, self.next_voting = self.next_voting, torch.zeros_like(self.next_voting)
+        self.any_voting, self.next_any = self.next_any, False
+        self.steps += q_len == 1
+        self.overhead_s += time.perf_counter() - t0
+
+    def _select(self) -> set[int]:
+        """Apply the zoom sets the last forward's votes chose; returns the rows whose zoom set changed."""
+        changed: set[int] = set()
+        if self.ballot is None:
+            return changed
+        for b, zoom in self.ballot.select().items():
+            self.last_zoom[b] = zoom
+            if zoom != self.rows[b].zoom:
+                self.rows[b].zoom = zoom
+                changed.add(b)
+        return changed
+
+    def stats(self) -> dict:
+        mem = self.memory()
+        return {
+            "thoughts_indexed": [len(r.thoughts) for r in self.rows],
+            "zoomed_thoughts": self.last_zoom,
+            "selections": 0 if self.ballot is None else self.ballot.selections,
+            "rebuilds": self.rebuilds,
+            "device_bytes": mem["on_device"],
+            "host_bytes": mem["host"],
+            "selection_ms_per_token": round(1000 * self.overhead_s / max(self.steps, 1), 3),
+        }

@@ -1,0 +1,88 @@
+"""The detail tier: every finished thought's full K/V, kept off the compute device until a query zooms in on it.
+
+zoomr's device holds summaries, not thoughts; the detail is what comes back on zoom-in. It lives in host memory
+(pinned, with non-blocking copies on CUDA), and every report counts it (the `host` tier), so its format decides
+whether device and host together stay below a full cache:
+- `int8` (default): int8 with one fp16 scale per vector, 66 B per vector at head_dim 64 (256 B in fp32, 128 B in
+  bf16); a zoomed thought comes back with int8 rounding;
+- `host`: dense copies in the compute dtype (the paper's setting), exact on zoom-in;
+- `fadkv`: OMP codes over the layer's post-RoPE dictionary at the sparsity it was trained for (int16 indices, fp16
+  coefficients, 32 B per vector at s = 8), with coding error on zoom-in.
+A stored thought is a pair of parts (K, V), each a tuple of host tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvzip.methods.base import tensor_bytes
+from kvzip.sparse.omp import omp, reconstruct
+
+DETAILS = ("int8", "host", "fadkv")
+
+
+def offload(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x off the compute device: pinned CPU memory with a non-blocking copy on CUDA."""
+    if x.device.type != "cuda":
+        return x.clone()
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return host.copy_(x, non_blocking=True)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., d) -> (int8 codes (..., d), fp16 scale (..., 1)): symmetric, one scale per vector (its largest |x|)."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
+    return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.half()
+
+
+def part_bytes(stored) -> int:
+    """Bytes of one stored thought (both parts)."""
+    return sum(tensor_bytes(*part) for part in stored)
+
+
+class DenseDetail:
+    """detail=host: dense copies in the compute dtype."""
+
+    def store(self, k: torch.Tensor, v: torch.Tensor):
+        """k, v (Hkv, n, d) -> what the tier keeps of them."""
+        return (offload(k),), (offload(v),)
+
+    def load(self, stored, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stored thought back on `device`: K, V (Hkv, n, d) in `dtype`."""
+        (k,), (v,) = ([x.to(device, non_blocking=True) for x in part] for part in stored)
+        return k, v
+
+
+class Int8Detail(DenseDetail):
+    """detail=int8: int8 codes with one fp16 scale per vector."""
+
+    def store(self, k, v):
+        return tuple((offload(q), offload(scale)) for q, scale in map(quantize_int8, (k, v)))
+
+    def load(self, stored, device, dtype):
+        (k, k_scale), (v, v_scale) = ([x.to(device, non_blocking=True) for x in part] for part in stored)
+        return (k.float() * k_scale.float()).to(dtype), (v.float() * v_scale.float()).to(dtype)
+
+
+class CodedDetail(DenseDetail):
+    """detail=fadkv: OMP codes over one layer's post-RoPE dictionary (kvzip.sparse.dictionary.LayerAtoms)."""
+
+    def __init__(self, atoms, sparsity: int, kv_heads: int):
+        self.atoms, self.sparsity, self.kv_heads = atoms, sparsity, kv_heads
+
+    def store(self, k, v):
+        a = self.atoms
+        out = []
+        for x, atoms, gram in ((k if a.key_mean is None else k - a.key_mean[:, None], a.keys, a.key_gram),
+                               (v, a.values, a.value_gram)):
+            idx, coef = omp(x.float().reshape(-1, x.shape[-1]), atoms, self.sparsity, gram=gram)
+            out.append((offload(idx.to(torch.int16)), offload(coef.half())))
+        return tuple(out)
+
+    def load(self, stored, device, dtype):
+        (k, k_coef), (v, v_coef) = ([x.to(device, non_blocking=True) for x in part] for part in stored)
+        a = self.atoms
+        shape = (self.kv_heads, -1, a.keys.shape[1])
+        k = reconstruct(a.keys, k.long(), k_coef).view(shape)  # codes (Hkv * n, s) -> (Hkv, n, d)
+        v = reconstruct(a.values, v.long(), v_coef).view(shape)
+        return (k if a.key_mean is None else k + a.key_mean[:, None]).to(dtype), v.to(dtype)

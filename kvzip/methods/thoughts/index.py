@@ -1,0 +1,97 @@
+"""The index over finished thoughts, the votes of the query heads, and the zoom set they choose (zoomr only).
+
+A thought's index key, per layer and KV head, is the mean of its summary keys with RoPE undone (content space:
+post-RoPE keys favoured recent thoughts). Before scoring, the keys are centred over the row's thoughts and made unit
+length (`centre_index`). At a selection point every query head of every layer scores the index keys with its query
+(turned back the same way) and votes for its `votes_per_head` best thoughts; the `Ballot` sums the votes over heads
+and layers, carries earlier ones forward with weight `vote_decay`, and its `zoom_thoughts` most-voted thoughts are
+the zoom set. Ties are broken the same way everywhere (`ranked`), so a row chooses in a batch as it would alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RANK_QUANTUM = 1e-4  # scores closer than this rank as equal: float noise of a batch's padding must not flip a choice
+
+
+def ranked(scores: torch.Tensor) -> torch.Tensor:
+    """Indices of `scores` (..., n) from highest to lowest, ties (within RANK_QUANTUM) to the lowest index. topk leaves
+    ties unordered, and summary picks and votes meet exact ties (a thought repeating earlier text scores 0 throughout)
+    and near ties (the same row in another batch computes through other padding): either would make a row choose
+    differently in a batch than alone."""
+    return torch.sort(torch.round(scores / RANK_QUANTUM), dim=-1, descending=True, stable=True).indices
+
+
+def centre_index(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Index keys (B, Hkv, T, d) minus their mean over each row's real thoughts (valid (B, T)), then unit length.
+
+    What every thought's summary shares (the words of the task that recur in each note, the common direction of a
+    head's keys) scores the same for all thoughts and only decides which thought wins when the query is about
+    nothing in particular: the thought that stated those words first then collects the votes. Removing the mean
+    leaves what tells thoughts apart; unit length stops a long key from winning on its norm alone.
+    """
+    w = valid[:, None, :, None].to(keys.dtype)  # (B, 1, T, 1)
+    mean = (keys * w).sum(2, keepdim=True) / w.sum(2, keepdim=True).clamp(min=1)
+    return torch.nn.functional.normalize((keys - mean) * w, dim=-1)
+
+
+def stack_index(index: list[list[torch.Tensor]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row, per thought index keys (Hkv, d) -> centred keys (B, Hkv, T, d) and valid (B, T), rows padded to the
+    most thoughts; None while no row has a thought. `like` gives dtype and device."""
+    n = max(len(ix) for ix in index)
+    if n == 0:
+        return None
+    heads, dim = next(x for ix in index for x in ix).shape
+    keys = like.new_zeros(len(index), heads, n, dim)
+    valid = torch.zeros(len(index), n, dtype=torch.bool, device=like.device)
+    for b, ix in enumerate(index):
+        for t, x in enumerate(ix):
+            keys[b, :, t] = x
+            valid[b, t] = True
+    return centre_index(keys, valid), valid
+
+
+def head_votes(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, per_head: int) -> torch.Tensor:
+    """query (B, Hq, d) against index keys (B, Hkv, T, d) of the thoughts marked valid (B, T) -> each query head's
+    `per_head` best thoughts (B, Hq, k), best first (k = per_head, or T when fewer)."""
+    k = keys.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)  # (B, Hq, T, d)
+    scores = torch.einsum("bhd,bhtd->bht", query, k).masked_fill(~valid[:, None], float("-inf"))  # (B, Hq, T)
+    return ranked(scores)[..., : min(per_head, keys.shape[2])]
+
+
+class Ballot:
+    """The vote tally of one forward, summed over the layers, and the zoom sets it chooses."""
+
+    def __init__(self, zoom_thoughts: int, decay: float):
+        self.zoom_thoughts, self.decay = zoom_thoughts, decay
+        self.votes: torch.Tensor | None = None  # (B, T) votes cast in the current forward
+        self.running: torch.Tensor | None = None  # (B, T) decayed tally of earlier forwards (decay > 0)
+        self.selections = 0
+
+    def add(self, choices: torch.Tensor, weights: torch.Tensor, thoughts: int) -> None:
+        """choices (B, n) thought indices, weights (B, n): one layer's votes; `thoughts` the most any row has."""
+        if self.votes is None:
+            self.votes = torch.zeros(choices.shape[0], thoughts, device=choices.device)
+        self.votes.scatter_add_(1, choices, weights)
+
+    def select(self) -> dict[int, list[int]]:
+        """Close the tally: the zoom set (sorted thought indices) of every row that cast votes, by row."""
+        chosen: dict[int, list[int]] = {}
+        if self.votes is None:
+            return chosen
+        votes, self.votes = self.votes, None
+        if self.decay > 0:  # earlier selection points' votes carry over, fading: the zoom set follows a whole question
+            old = self.running if self.running is not None else votes.new_zeros(votes.shape[0], 0)
+            grown = votes.new_zeros(votes.shape)
+            grown[:, : old.shape[1]] = old
+            cast = votes.sum(1, keepdim=True) > 0
+            self.running = torch.where(cast, self.decay * grown + votes, grown)
+        for b in range(votes.shape[0]):
+            if votes[b].sum() <= 0:
+                continue
+            v = self.running[b] if self.decay > 0 else votes[b]
+            top = ranked(v)[: self.zoom_thoughts]  # the most-voted, ties to the earlier thought
+            chosen[b] = sorted(int(i) for i in top if v[i] > 0)
+            self.selections += 1
+        return chosen
