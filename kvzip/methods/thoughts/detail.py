@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvzip.methods.base import tensor_bytes
+from kvzip.sparse.attention import dequantize, quantize
 from kvzip.sparse.omp import omp, reconstruct
 
 DETAILS = ("int8", "host", "fadkv")
@@ -27,12 +28,6 @@ def offload(x: torch.Tensor) -> torch.Tensor:
         return x.clone()
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     return host.copy_(x, non_blocking=True)
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., d) -> (int8 codes (..., d), fp16 scale (..., 1)): symmetric, one scale per vector (its largest |x|)."""
-    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
-    return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.half()
 
 
 def part_bytes(stored) -> int:
@@ -54,14 +49,15 @@ class DenseDetail:
 
 
 class Int8Detail(DenseDetail):
-    """detail=int8: int8 codes with one fp16 scale per vector."""
+    """detail=int8: int8 codes with one fp16 scale per vector, as fadkv stores its coefficients
+    (kvzip.sparse.attention.quantize: the codes are divided by the scale as stored, so they decode with it exactly)."""
 
     def store(self, k, v):
-        return tuple((offload(q), offload(scale)) for q, scale in map(quantize_int8, (k, v)))
+        return tuple((offload(q), offload(scale)) for q, scale in (quantize(x, "int8") for x in (k, v)))
 
     def load(self, stored, device, dtype):
         (k, k_scale), (v, v_scale) = ([x.to(device, non_blocking=True) for x in part] for part in stored)
-        return (k.float() * k_scale.float()).to(dtype), (v.float() * v_scale.float()).to(dtype)
+        return dequantize(k, k_scale).to(dtype), dequantize(v, v_scale).to(dtype)
 
 
 class CodedDetail(DenseDetail):
