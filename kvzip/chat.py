@@ -202,16 +202,18 @@ class ChatSession:
         else:
             return self._tokens(full), full, "the chat template rewrites earlier turns"
         # on_full="evict": drop the oldest exchanges until the history, this message and a full answer fit.
-        dropped = 0
+        # Worked on a copy: when nothing fits, the session is left as it was (ContextFull's promise).
+        kept, dropped = list(self.messages), 0
         while True:
-            first = next((i for i, m in enumerate(self.messages) if m["role"] != "system"), None)
-            if first is None or len(self.messages) - first < 2:
+            first = next((i for i, m in enumerate(kept) if m["role"] != "system"), None)
+            if first is None or len(kept) - first < 2:
                 raise ContextFull(EVICTED_ALL, self.limit)
-            del self.messages[first : first + 2]
+            del kept[first : first + 2]
             dropped += 1
-            full = self._render(self.messages + [{"role": "user", "content": user}])
+            full = self._render(kept + [{"role": "user", "content": user}])
             new = self._tokens(full)
             if self._fits(0, len(new)):
+                self.messages = kept
                 return new, full, f"context full: evicted the oldest {dropped} exchange(s) ({self.limit} token limit)"
 
     # -- running ---------------------------------------------------------------------------------------------------

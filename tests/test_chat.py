@@ -125,6 +125,10 @@ def test_context_full_stop_refuses_and_evict_drops_oldest(tiny, chat_tok, monkey
     assert any("evicted the oldest" in n for n in notices)
     assert e.cache.get_seq_length() == len(e.ids) <= 160 and len(e.turns) == 8
     assert len(e.messages) < 16  # evicted exchanges left the model's context (they stay in e.turns)
+    messages = list(e.messages)
+    with pytest.raises(ContextFull):  # a message that cannot fit even alone: nothing is evicted for it
+        run_turn(e, "x " * 200)
+    assert e.messages == messages
 
 
 def test_throughput_recent_and_average():
