@@ -65,7 +65,7 @@ def main() -> None:
         dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
         method = get_method("fadkv", {"keys": mode, **opts})
         paired = mode == "pre-rope"
-        layer = FadkvLayer(method, *prepare_layers(dictionaries, "cpu", paired=paired)[args.layer],
+        layer = FadkvLayer(method, prepare_layers(dictionaries, "cpu", paired=paired)[args.layer],
                            rope=inv_freq if paired else None)
         layer.update(keys, values)
         layer._compress(prefill=True)

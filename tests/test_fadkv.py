@@ -13,15 +13,15 @@ from kvzip.methods.fadkv import FadkvLayer
 from kvzip.rope import from_pairs, rotate
 from kvzip.sparse.dictionary import prepare_layers
 
-SMALL = {"sparsity": "4", "pool": "8", "buffer": "8", "chunk": "4", "sinks": "2"}
+SMALL = {"sparsity": "4", "screen_pool": "8", "buffer": "8", "code_chunk": "4", "sinks": "2"}
 
 
 def make_layer(tiny_dictionaries, batch=1, heads=2, inv_freq=None, **opts):
     method = get_method("fadkv", {**SMALL, **opts})
     # pre-RoPE layers keep key atoms (and the key mean, random here) in to_pairs order
-    d_k, d_v, g_k, g_v, _ = prepare_layers(tiny_dictionaries, "cpu", paired=inv_freq is not None)[0]
-    mean = torch.randn(heads, d_k.shape[1], generator=torch.Generator().manual_seed(0)) * 0.3
-    return method, FadkvLayer(method, d_k, d_v, g_k, g_v, mean, rope=inv_freq)
+    atoms = prepare_layers(tiny_dictionaries, "cpu", paired=inv_freq is not None)[0]
+    mean = torch.randn(heads, atoms.keys.shape[1], generator=torch.Generator().manual_seed(0)) * 0.3
+    return method, FadkvLayer(method, atoms._replace(key_mean=mean), rope=inv_freq)
 
 
 def feed(layer, steps, batch=1, heads=2, dim=16, q_heads=4, seed=0):
@@ -34,38 +34,34 @@ def feed(layer, steps, batch=1, heads=2, dim=16, q_heads=4, seed=0):
     return out
 
 
-def row_atoms(layer, kind, row):
-    atoms, _ = layer._row_dictionary(kind, row)
-    return atoms
-
-
 def dense_keys_values(layer, row):
     """Rebuild every stored token of a row densely (coded ones from their codes), in stored order."""
-    rebuilt = {}
-    for kind in "kv":
-        idx, st, sc = layer.codes[kind]
+    rebuilt = []
+    for kind in layer.kinds:
+        idx, st, sc = kind.codes.idx, kind.codes.stored, kind.codes.scale
         coef = st.float() if sc is None else st.float() * sc.float()
         h, t, s = idx.shape[1:]
-        atoms = row_atoms(layer, kind, row)[idx[row].long().reshape(-1, s)]  # (H*T, s, d), plain indexing
+        atoms = kind.row_dictionary(row)[0][idx[row].long().reshape(-1, s)]  # (H*T, s, d), plain indexing
         vec = (coef[row].reshape(-1, s, 1) * atoms).sum(1)
-        rebuilt[kind] = vec.view(h, t, -1)
-    coded_keys = rebuilt["k"] + layer.key_mean[:, None]
+        rebuilt.append(vec.view(h, t, -1))
+    coded_keys = rebuilt[0] + layer.key_mean[:, None]
     if layer.rope is not None:  # keys=pre-rope: the codes hold content keys in pair order; RoPE goes on after
         coded_keys = rotate(from_pairs(coded_keys), layer.coded_pos[row], layer.rope)
     keys = torch.cat([coded_keys, layer.keys[row].float()], 1)
-    values = torch.cat([rebuilt["v"], layer.values[row].float()], 1)
+    values = torch.cat([rebuilt[1], layer.values[row].float()], 1)
     real = torch.cat([layer.coded_pos[row], layer.dense_pos[row]]) >= 0  # holes (-1) of a shorter row hold nothing
     return keys[:, real], values[:, real]  # (H, stored, d)
 
 
-@pytest.mark.parametrize("adapt, sparsity_v", [("none", "0"), ("fixed", "0"), ("append", "0"), ("fixed", "6")])
-def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, sparsity_v):
-    _, layer = make_layer(tiny_dictionaries, adapt=adapt, tau="0.2", sparsity_v=sparsity_v)
+@pytest.mark.parametrize("adapt, value_sparsity", [("none", "0"), ("fixed", "0"), ("append", "0"), ("fixed", "6")])
+def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, value_sparsity):
+    _, layer = make_layer(tiny_dictionaries, adapt=adapt, adapt_threshold="0.2", value_sparsity=value_sparsity)
     feed(layer, 60)
-    assert layer.codes["k"][0].shape[-1] == 4 and layer.codes["v"][0].shape[-1] == (int(sparsity_v) or 4)
+    assert layer.coded_keys.codes.idx.shape[-1] == 4
+    assert layer.coded_values.codes.idx.shape[-1] == (int(value_sparsity) or 4)
     assert layer.coded_pos.shape[1] > 40
     if adapt != "none":
-        assert layer.replaced > 0
+        assert layer.stats.replaced > 0
     query = torch.randn(1, 4, 1, 16)
     got = layer._attention(query, None, 0.25)  # (1, 1, 4, 16)
     keys, values = dense_keys_values(layer, 0)
@@ -83,7 +79,7 @@ def test_prerope_attention_equals_dense_reference(tiny_dictionaries, adapt, monk
 
     monkeypatch.setattr(fadkv_module, "SCORE_CHUNK", 3)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
-    _, layer = make_layer(tiny_dictionaries, adapt=adapt, tau="0.2", keys="pre-rope", inv_freq=inv_freq)
+    _, layer = make_layer(tiny_dictionaries, adapt=adapt, adapt_threshold="0.2", keys="pre-rope", inv_freq=inv_freq)
     feed(layer, 60)
     assert layer.coded_pos.shape[1] > 40
     query = torch.randn(1, 4, 1, 16)
@@ -99,7 +95,7 @@ def test_multi_token_query_over_codes_equals_dense_reference(tiny_dictionaries, 
     """A follow-up prompt (several new tokens at once) over a coded past: scores and rebuilt values equal dense
     attention with the new tokens causal among themselves."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)) if keys == "pre-rope" else None
-    _, layer = make_layer(tiny_dictionaries, adapt="fixed", tau="0.2", keys=keys, inv_freq=inv_freq)
+    _, layer = make_layer(tiny_dictionaries, adapt="fixed", adapt_threshold="0.2", keys=keys, inv_freq=inv_freq)
     feed(layer, 60)
     g = torch.Generator().manual_seed(3)
     layer.update(torch.randn(1, 2, 3, 16, generator=g), torch.randn(1, 2, 3, 16, generator=g))
@@ -123,15 +119,15 @@ def test_rebuilt_values_equal_per_atom_sums(tiny_dictionaries, adapt, monkeypatc
     from kvzip.sparse import attention as coded
 
     monkeypatch.setattr(fadkv_module, "SCORE_CHUNK", 5)
-    _, layer = make_layer(tiny_dictionaries, adapt=adapt, tau="0.2")
+    _, layer = make_layer(tiny_dictionaries, adapt=adapt, adapt_threshold="0.2")
     feed(layer, 60)
     if adapt != "none":
-        assert layer.replaced > 0
+        assert layer.stats.replaced > 0
     t = layer.coded_pos.shape[1]
     w = torch.rand(1, 2, 6, t)
-    idx, st, sc = layer.codes["v"]
-    per_atom = layer._values_from_atoms("v", coded.atom_weights(w, idx.long(), coded.dequantize(st, sc),
-                                                                layer._n_total("v") + 1))
+    values = layer.coded_values
+    per_atom = values.values_from_atoms(coded.atom_weights(w, values.codes.idx.long(), values.codes.coefficients(),
+                                                           values.n_total() + 1))
     torch.testing.assert_close(layer._rebuilt_values(w), per_atom, rtol=1e-4, atol=1e-4)
 
 
@@ -149,15 +145,14 @@ def test_prerope_codes_content_keys(tiny_dictionaries):
     """A key stored post-RoPE at position p is coded as its content (RoPE undone): with a dictionary holding that
     content as an atom, the code is exact, which a post-RoPE coder would miss."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
-    _, layer = make_layer(tiny_dictionaries, keys="pre-rope", inv_freq=inv_freq, sinks="0", buffer="0", chunk="1")
-    content = from_pairs(layer.dicts["k"][0][5] * 2.0 + layer.key_mean[0])  # (d,) atom 5, scaled, plus the head's key mean
+    _, layer = make_layer(tiny_dictionaries, keys="pre-rope", inv_freq=inv_freq, sinks="0", buffer="0", code_chunk="1")
+    content = from_pairs(layer.atoms.keys[5] * 2.0 + layer.key_mean[0])  # (d,) atom 5, scaled, plus the head's key mean
     layer.update(rotate(content, torch.tensor([0]), inv_freq).view(1, 1, 1, 16).expand(1, 2, 1, 16).clone(),
                  torch.randn(1, 2, 1, 16))
     layer.update(rotate(content, torch.tensor([1]), inv_freq).view(1, 1, 1, 16).expand(1, 2, 1, 16).clone(),
                  torch.randn(1, 2, 1, 16))
     layer._compress(prefill=True)
-    idx, st, sc = layer.codes["k"]
-    coef = st.float() * sc.float()
+    idx, coef = layer.coded_keys.codes.idx, layer.coded_keys.codes.coefficients()
     assert idx.shape[2] == 2
     for t in range(2):
         assert int(idx[0, 0, t][coef[0, 0, t].abs().argmax()]) == 5
@@ -171,36 +166,36 @@ def test_fixed_adaptation_never_grows_and_keeps_old_codes_valid(tiny_dictionarie
     g = torch.Generator().manual_seed(1)
     atoms = lambda: torch.nn.functional.normalize(torch.randn(2, 256, 16, generator=g), dim=-1)  # noqa: E731
     big = KVDictionary(keys=atoms(), values=atoms(), meta=tiny_dictionaries.meta)
-    _, layer = make_layer(big, adapt="fixed", tau="0.2")
+    _, layer = make_layer(big, adapt="fixed", adapt_threshold="0.2")
     feed(layer, 24)
-    n = layer.n_atoms
+    n = layer.coded_keys.n_atoms
     before_keys, _ = dense_keys_values(layer, 0)
     first = layer.coded_pos.shape[1]
-    replaced = layer.replaced
+    replaced = layer.stats.replaced
     feed(layer, 200, seed=1)
-    assert layer.replaced > replaced
-    assert layer._n_total("k") == n and layer._n_total("v") == n
-    assert int(layer.overlay["k"].ids.max()) < n
+    assert layer.stats.replaced > replaced
+    assert layer.coded_keys.n_total() == n and layer.coded_values.n_total() == n
+    assert int(layer.coded_keys.overlay.ids.max()) < n
     after_keys, _ = dense_keys_values(layer, 0)
     # Tokens coded before later replacements still decode to the same vectors: referenced atoms are never overwritten.
     torch.testing.assert_close(after_keys[:, :first], before_keys[:, :first])
 
 
 def test_append_grows_and_none_stays_static(tiny_dictionaries):
-    _, grow = make_layer(tiny_dictionaries, adapt="append", tau="0.2")
+    _, grow = make_layer(tiny_dictionaries, adapt="append", adapt_threshold="0.2")
     feed(grow, 60)
-    assert grow._n_total("k") > grow.n_atoms
+    assert grow.coded_keys.n_total() > grow.coded_keys.n_atoms
     _, static = make_layer(tiny_dictionaries, adapt="none")
     feed(static, 60)
-    assert static.replaced == 0 and static.overlay["k"].ids.numel() == 0
+    assert static.stats.replaced == 0 and static.coded_keys.overlay.ids.numel() == 0
 
 
 def test_batched_rows_keep_their_own_dictionaries(tiny_dictionaries):
     g = torch.Generator().manual_seed(3)
     steps = [(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 4, 1, 16, generator=g))
              for _ in range(50)]
-    _, both = make_layer(tiny_dictionaries, adapt="fixed", tau="0.2")
-    singles = [make_layer(tiny_dictionaries, adapt="fixed", tau="0.2")[1] for _ in range(2)]
+    _, both = make_layer(tiny_dictionaries, adapt="fixed", adapt_threshold="0.2")
+    singles = [make_layer(tiny_dictionaries, adapt="fixed", adapt_threshold="0.2")[1] for _ in range(2)]
     for k, v, q in steps:
         both.update(k, v)
         out = both.attend(None, q, None, None, None, 0.25)
@@ -209,7 +204,7 @@ def test_batched_rows_keep_their_own_dictionaries(tiny_dictionaries):
             one = layer.attend(None, q[row:row + 1], None, None, None, 0.25)
             torch.testing.assert_close(out[row:row + 1], one, rtol=1e-5, atol=1e-5)
     for row, layer in enumerate(singles):
-        assert torch.equal(both.codes["k"][0][row], layer.codes["k"][0][0])
+        assert torch.equal(both.coded_keys.codes.idx[row], layer.coded_keys.codes.idx[0])
 
 
 def test_dictionary_size_fixed_over_8000_decoded_tokens(tokenizer, tiny_dictionaries):
@@ -222,7 +217,7 @@ def test_dictionary_size_fixed_over_8000_decoded_tokens(tokenizer, tiny_dictiona
     g = torch.Generator().manual_seed(2)
     atoms = lambda: torch.nn.functional.normalize(torch.randn(1, 256, 16, generator=g), dim=-1)  # noqa: E731
     dictionary = KVDictionary(keys=atoms(), values=atoms(), meta=tiny_dictionaries.meta)
-    method = get_method("fadkv", {**SMALL, "tau": "0.3", "chunk": "128", "buffer": "64"})
+    method = get_method("fadkv", {**SMALL, "adapt_threshold": "0.3", "code_chunk": "128", "buffer": "64"})
     cache = method.make_cache(model, dictionary)
     prompt = tokenizer("adaptive")["input_ids"]
     events = list(engine.generate(model, tokenizer, [prompt], cache, engine.Settings(max_new_tokens=8000, ignore_eos=True)))
@@ -231,7 +226,7 @@ def test_dictionary_size_fixed_over_8000_decoded_tokens(tokenizer, tiny_dictiona
     layer = cache.layers[0]
     stats = summary.stats["method_stats"]
     assert stats["atoms_replaced"] > 0
-    assert layer._n_total("k") == layer.n_atoms == layer._n_total("v")
+    assert layer.coded_keys.n_total() == layer.coded_keys.n_atoms == layer.coded_values.n_total()
     assert stats["tokens_coded"] >= 8000 - 64 - 64
 
 
@@ -268,19 +263,19 @@ def test_prerope_dictionary_through_generate_matches_dense_rebuild(tiny, tokeniz
         get_method("fadkv", {**SMALL, "keys": "post-rope"}).make_cache(tiny, prerope)
 
 
-@pytest.mark.parametrize("name, coef", [("fadkv", "int8"), ("fadkv", "fp8"), ("lexico", "int8")])
-def test_left_padded_row_decodes_like_the_row_alone(tiny, tokenizer, tiny_dictionaries, name, coef):
+@pytest.mark.parametrize("name, coef_format", [("fadkv", "int8"), ("fadkv", "fp8"), ("lexico", "int8")])
+def test_left_padded_row_decodes_like_the_row_alone(tiny, tokenizer, tiny_dictionaries, name, coef_format):
     """A left-padded batch row: the padding's zero keys code to all-zero coefficients (their 8-bit scale must not
     underflow to 0, or 0/0 is NaN) and its fully masked queries get zero weights; either NaN used to reach the whole
     row through the per-atom value sums, and the row decoded token 0 forever."""
-    opts = {**SMALL, "coef": coef, **({"coder": "omp"} if name == "lexico" else {})}
+    opts = {**SMALL, "coef_format": coef_format, **({"coder": "omp"} if name == "lexico" else {})}
     prompts = [tokenizer("a short one")["input_ids"], tokenizer("a somewhat longer prompt for the second row")["input_ids"]]
     settings = engine.Settings(max_new_tokens=12, ignore_eos=True)
 
     def tokens(batch):
         cache = get_method(name, opts).make_cache(tiny, tiny_dictionaries)
         out = [e.token_ids for e in engine.generate(tiny, tokenizer, batch, cache, settings) if isinstance(e, engine.Result)]
-        assert not any(bool(c[1].float().isnan().any()) for lay in cache.layers for c in lay.codes.values())
+        assert not any(bool(kind.codes.stored.float().isnan().any()) for lay in cache.layers for kind in lay.kinds)
         return out
 
     batched, alone = tokens(prompts), tokens(prompts[:1])

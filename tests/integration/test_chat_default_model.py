@@ -15,7 +15,7 @@ from .conftest import run_cli
 
 # Small settings so that three short turns (a few hundred tokens) already compress.
 SMALL = {"window": {"window": "64"}, "zoomr": {"window": "16", "min_thought_tokens": "4", "max_thought_tokens": "16"},
-         "fadkv": {"buffer": "32", "chunk": "16"}}
+         "fadkv": {"buffer": "32", "code_chunk": "16"}}
 QUESTIONS = ["What is the capital of France?", "Name three rivers in Europe.", "Which of them is the longest?"]
 
 
