@@ -55,6 +55,18 @@ def dense_attention(query, keys, values, mask, scaling, positions=None):
     return out.transpose(1, 2).contiguous()
 
 
+def attention_with_weights(query, keys, values, allowed, scaling):
+    """Attention with its weights written out, for a layer that reads them (h2o scores each stored token by the
+    attention it receives). query (B, Hq, q, d); keys, values (B, Hkv, S, d), each KV head shared by Hq / Hkv query
+    heads; `allowed` boolean, broadcastable to (B, Hq, q, S). Returns the output (B, q, Hq, d) and the weights
+    (B, Hq, q, S); a query that sees nothing (left padding) gets zero weights, not NaN, so the next layer stays finite.
+    """
+    rep = query.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(rep, dim=1)  # (B, Hq, S, d)
+    w = ((query @ k.transpose(-1, -2)) * scaling).masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num()
+    return (w @ values.repeat_interleave(rep, dim=1)).transpose(1, 2).contiguous(), w
+
+
 def causal_tail(q_len: int, width: int, device) -> torch.Tensor:
     """(q, width) bool: which of `width` stored tokens each of q new queries sees when there is no padding. The new
     tokens are the last q stored: each sees every token before them and the new ones causally, itself included."""

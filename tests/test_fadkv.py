@@ -49,7 +49,7 @@ def dense_keys_values(layer, row):
         coded_keys = rotate(from_pairs(coded_keys), layer.coded_pos[row], layer.rope)
     keys = torch.cat([coded_keys, layer.keys[row].float()], 1)
     values = torch.cat([rebuilt[1], layer.values[row].float()], 1)
-    real = torch.cat([layer.coded_pos[row], layer.dense_pos[row]]) >= 0  # holes (-1) of a shorter row hold nothing
+    real = torch.cat([layer.coded_pos[row], layer.positions[row]]) >= 0  # holes (-1) of a shorter row hold nothing
     return keys[:, real], values[:, real]  # (H, stored, d)
 
 

@@ -52,7 +52,8 @@ def test_generated_summaries_use_the_marker_span(tiny, tokenizer):
     layer = cache.layers[1]
     assert layer.summary_pos[0][0].tolist() == list(range(*row.spans[0]))
     # The summary tokens stay on the device.
-    assert torch.equal(layer.pos[0][torch.isin(layer.pos[0], layer.summary_pos[0][0])], layer.summary_pos[0][0])
+    kept = layer.positions[0]
+    assert torch.equal(kept[torch.isin(kept, layer.summary_pos[0][0])], layer.summary_pos[0][0])
 
 
 @pytest.mark.parametrize("detail, atol, value_bytes", [("host", 1e-5, 4), ("int8", 5e-3, 1)])
@@ -100,7 +101,7 @@ def voting_layer(tiny, keys, opts):
     cache = get_method("zoomr", opts).make_cache(tiny)
     layer = cache.layers[0]
     layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
-    layer.pos = torch.zeros(1, 1, dtype=torch.long)
+    layer.positions = torch.zeros(1, 1, dtype=torch.long)
     layer.index[0] = list(keys)
     cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
     cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(len(keys))]
@@ -178,7 +179,7 @@ def test_active_context_is_prompt_summaries_zoom_and_tail(tiny, tokenizer):
     cache, _, _, peak = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "zoom_thoughts": "1"}), "the prompt", text)
     row = cache.rows[0]
     for layer in cache.layers:
-        active = set(layer.pos[0].tolist())
+        active = set(layer.positions[0].tolist())
         expected = set(range(*row.keep[0])) | set(range(cache.tail_start[0], layer.seen))
         expected |= {p for sp in layer.summary_pos[0] for p in sp.tolist()}
         expected |= {p for t in row.zoom for p in range(*row.thoughts[t])}

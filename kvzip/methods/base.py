@@ -117,6 +117,34 @@ class KVLayer(FullBytes, CacheLayerMixin):
         raise NotImplementedError
 
 
+class DenseLayer(KVLayer):
+    """A layer that keeps some tokens dense: keys and values (B, Hkv, S, d) and their virtual positions (B, S), new
+    tokens appended by `update`. What it evicts, codes or moves off the device is the subclass's; `dense_dtype`
+    says what the dense tokens are kept in (the model's dtype unless a subclass stores them smaller)."""
+
+    def dense_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        b, h, _, d = key_states.shape
+        dtype = self.dense_dtype(key_states.dtype)
+        self.keys = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
+        self.values = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
+        self.positions = torch.zeros(b, 0, dtype=torch.long, device=self.device)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        self.keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=2)
+        self.values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=2)
+        new = torch.arange(self.seen, self.seen + q, device=self.positions.device).expand(self.batch, q)
+        self.positions = torch.cat([self.positions, new], dim=1)
+        self.seen += q
+        return self.keys, self.values
+
+
 class KVCache(Cache):
     """A transformers Cache of kvzip layers, with the hooks the engine calls for every method alike."""
 

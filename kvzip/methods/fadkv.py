@@ -4,16 +4,17 @@ FAD-KV (Zhu et al., 2026) and its predecessor Lexico (Kim et al., ICML 2025; arX
 - the first `sinks` tokens and the most recent `buffer` tokens stay dense (sinks draw outsized attention, so a
   coding error there costs the most; the buffer absorbs tokens until `code_chunk` of them can be coded at once);
 - older tokens are coded as `sparsity` atom indices (int16) and coefficients (fp16, or 8 bits with a scale:
-  `coef_format`) over the layer's key or value dictionary. The per-head key mean (stored in the dictionary file) is removed before coding. Keys are
-  coded as the dictionary was trained: before RoPE (the default file; RoPE undone at coding time) or after it;
+  `coef_format`) over the layer's key or value dictionary. The per-head key mean (stored in the dictionary file) is
+  removed before coding. Keys are coded as the dictionary was trained: before RoPE (the default file; RoPE undone at
+  coding time) or after it;
 - decoding never keeps a dense copy of the past. Post-RoPE scores gather q·D by code and add one q·mean term;
   pre-RoPE scores rebuild one chunk of keys at a time (mean added back, RoPE applied, chunk dropped). Values are
   summed per atom and multiplied by the value dictionary once (kvzip/sparse/attention.py).
 FAD-KV's coder is screening (top-n candidates by |Dᵀx|, pursuit on the pool); Lexico's is OMP over all atoms.
 
 Fixed-size adaptation (FAD-KV): per sequence, a reference count per atom over live codes. When a coded vector's
-relative residual exceeds `adapt_threshold`, its normalised residual becomes a new atom in place of an inactive one (count zero,
-least recently used) and the vector is re-coded. The shared dictionary is never written: a sequence's replaced atoms
+relative residual exceeds `adapt_threshold`, its normalised residual becomes a new atom in place of an inactive one
+(count zero, least recently used) and the vector is re-coded. The shared dictionary is never written: a sequence's replaced atoms
 live in its own overlay (atom number -> vector), so batched rows cannot corrupt each other, and the dictionary size a
 sequence sees stays N. `adapt=append` grows the overlay past N instead (the ablation the paper argues against);
 `adapt=none` keeps the dictionary static. Each kind's state (codes, overlay, atom counts) is one
@@ -35,8 +36,8 @@ import torch
 
 from kvzip.attention import causal_tail, dense_attention, gather_mask, gather_tokens, leading_padding
 from kvzip.errors import UserError
-from kvzip.methods.base import KVCache, KVLayer, Method, check_choice, check_positive, model_layout, tensor_bytes
-from kvzip.methods.coded.coding import ADAPT, Coding, CodingStats, code_rows, left_holed
+from kvzip.methods.base import DenseLayer, KVCache, Method, check_choice, check_positive, model_layout, tensor_bytes
+from kvzip.methods.coded.coding import ADAPT, CodingStats, code_rows, left_holed
 from kvzip.methods.coded.state import CodedKind
 from kvzip.rope import attention_windows, as_rope, layer_ropes, phasors, to_pairs, turn_pairs, visible_from
 from kvzip.sparse import CACHE_CODERS, KEY_MODES, KEY_OPTIONS, attention as coded
@@ -48,8 +49,9 @@ from kvzip.sparse.screen import PICKS, SHOTS
 SCORE_CHUNK = 2048
 
 
-class FadkvLayer(KVLayer):
-    """Dense sinks and buffer, older tokens coded (`coded_keys`, `coded_values`: kvzip.methods.coded.state)."""
+class FadkvLayer(DenseLayer):
+    """Dense sinks and buffer (keys, values, positions), older tokens coded (`coded_keys`, `coded_values`:
+    kvzip.methods.coded.state, at `coded_pos`)."""
 
     def __init__(self, cfg: "Fadkv", atoms: LayerAtoms, rope=None, rope_memo=None, sliding=None):
         super().__init__(sliding)
@@ -57,19 +59,17 @@ class FadkvLayer(KVLayer):
         self.rope_memo = {} if rope_memo is None else rope_memo  # shared by a cache's layers: RoPE tables per step
         self.cfg, self.atoms = cfg, atoms  # atoms: the layer's shared dictionary (with rope, keys in pair order)
         self.key_mean = atoms.key_mean  # (Hkv, d) or None; with rope, in `to_pairs` order
-        self.coding = cfg.coding()
         self.stats = CodingStats()
 
+    def dense_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dense tier (sinks + buffer) is kept in half precision when the model runs fp32: it is a cache, not a
+        compute buffer."""
+        return torch.float16 if dtype == torch.float32 else dtype
+
     def lazy_initialization(self, key_states, value_states):
-        super().lazy_initialization(key_states, value_states)
-        b, h, _, d = key_states.shape
-        dev = key_states.device
-        # Dense tier kept in half precision when the model runs fp32: it is a cache, not a compute buffer.
-        self.dense_dtype = torch.float16 if key_states.dtype == torch.float32 else key_states.dtype
-        self.keys = torch.zeros(b, h, 0, d, dtype=self.dense_dtype, device=dev)  # (B, H, S, d) sinks + buffer
-        self.values = torch.zeros_like(self.keys)
-        self.dense_pos = torch.zeros(b, 0, dtype=torch.long, device=dev)  # (B, S)
-        self.coded_pos = torch.zeros(b, 0, dtype=torch.long, device=dev)  # (B, T)
+        super().lazy_initialization(key_states, value_states)  # keys, values, positions: the dense tier
+        b, h = self.batch, self.kv_heads
+        self.coded_pos = torch.zeros(b, 0, dtype=torch.long, device=self.device)  # (B, T), -1: a hole
         a, fmt = self.atoms, self.cfg.coef_format
         self.coded_keys = CodedKind(a.keys, a.key_gram, self.cfg.sparsity, fmt, b, h)
         self.coded_values = CodedKind(a.values, a.value_gram, self.cfg.value_sparsity or self.cfg.sparsity, fmt, b, h)
@@ -78,17 +78,6 @@ class FadkvLayer(KVLayer):
     @property
     def kinds(self) -> tuple[CodedKind, CodedKind]:
         return self.coded_keys, self.coded_values
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[2]
-        self.keys = torch.cat([self.keys, key_states.to(self.dense_dtype)], dim=2)
-        self.values = torch.cat([self.values, value_states.to(self.dense_dtype)], dim=2)
-        new = torch.arange(self.seen, self.seen + q, device=self.dense_pos.device).expand(self.batch, q)
-        self.dense_pos = torch.cat([self.dense_pos, new], dim=1)
-        self.seen += q
-        return key_states, value_states
 
     def attend(self, module, query, key, value, mask, scaling):
         if self.pad is None:  # the first forward: what of each row is left padding
@@ -119,10 +108,10 @@ class FadkvLayer(KVLayer):
             for kind in self.kinds:
                 kind.codes.keep(keep)
             self.coded_pos = self.coded_pos.index_select(1, keep)
-        drop = int((self.dense_pos < cut).sum(1).min())  # holes (-1) and old tokens lead each row
+        drop = int((self.positions < cut).sum(1).min())  # holes (-1) and old tokens lead each row
         if drop:
             self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
-            self.dense_pos = self.dense_pos[:, drop:]
+            self.positions = self.positions[:, drop:]
 
     # ---- attention on codes ---------------------------------------------------------------------------------
     def _attention(self, query, mask, scaling):
@@ -130,7 +119,7 @@ class FadkvLayer(KVLayer):
         t = self.coded_pos.shape[1]
         if t == 0:  # nothing coded yet (the prompt's own forward): plain SDPA over the dense tier, as `full` runs it
             out = dense_attention(query, self.keys.to(query.dtype), self.values.to(query.dtype), mask, scaling,
-                                  positions=self.dense_pos)
+                                  positions=self.positions)
             return out.nan_to_num(0.0)  # a left-padding query sees nothing: keep its (never used) output finite
         h = self.kv_heads
         g = hq // h
@@ -139,14 +128,14 @@ class FadkvLayer(KVLayer):
         dense_scores = qg @ self.keys.float().transpose(-1, -2)  # (B, H, gq, S)
         if self.rope is not None:
             scores = torch.cat([self._prerope_scores(qg), dense_scores], -1)
-            positions = torch.cat([self.coded_pos, self.dense_pos], 1)
+            positions = torch.cat([self.coded_pos, self.positions], 1)
         else:
             keys = self.coded_keys
             k_scores = coded.coded_scores(keys.atom_scores(qg), keys.codes.idx, keys.codes.coefficients())
             if self.key_mean is not None:
                 k_scores = k_scores + qg @ self.key_mean[None, :, :, None].float()  # (B, H, gq, 1)
             scores = torch.cat([k_scores, dense_scores], -1)
-            positions = torch.cat([self.coded_pos, self.dense_pos], 1)
+            positions = torch.cat([self.coded_pos, self.positions], 1)
         allowed = self._allowed(mask, positions, q, scores.shape[-1], query.device)
         if allowed is not None:
             allowed = allowed.expand(b, q, allowed.shape[-1]).view(b, 1, 1, q, -1).expand(b, h, g, q, allowed.shape[-1]).reshape(b, h, g * q, -1)
@@ -241,7 +230,7 @@ class FadkvLayer(KVLayer):
         alone): a prefill codes all of them, a decode step a whole number of chunks once a chunk has gathered. Rows
         stay rectangular by holes (position -1, masked) at the front of each tier; left padding is dropped, not coded."""
         pad = self.pad if self.pad is not None else torch.zeros(self.batch, dtype=torch.long, device=self.keys.device)
-        real = self.dense_pos >= pad[:, None]  # (B, S) real tokens; holes (-1) and left padding are not
+        real = self.positions >= pad[:, None]  # (B, S) real tokens; holes (-1) and left padding are not
         plan = []  # per row: (sinks, tokens to code, real dense columns in order)
         for b, n in enumerate(real.sum(1).tolist()):
             sinks = min(self.cfg.sinks, n)
@@ -260,19 +249,19 @@ class FadkvLayer(KVLayer):
         for b, cols in enumerate(code):
             k = self.keys[b][:, cols].float()  # (H, c_b, d)
             if self.rope is not None:  # keys=pre-rope: code the key as k_proj wrote it, in pair order
-                k = turn_pairs(to_pairs(k, self.rope.dim), phasors(self.dense_pos[b, cols], self.rope, inverse=True))
+                k = turn_pairs(to_pairs(k, self.rope.dim), phasors(self.positions[b, cols], self.rope, inverse=True))
             if self.key_mean is not None:
                 k = k - self.key_mean[:, None, :]
             xs_k.append(k)
             xs_v.append(self.values[b][:, cols].float())
         width = max(len(c) for c in code)
         for kind, xs in ((self.coded_keys, xs_k), (self.coded_values, xs_v)):
-            idx, coef = code_rows(kind, xs, width, self.coding, self.stats, self.seen)
+            idx, coef = code_rows(kind, xs, width, self.cfg, self.stats, self.seen)
             kind.codes.append(idx, coef, self.cfg.coef_format)
-        self.coded_pos = torch.cat([self.coded_pos, self._holed(self.dense_pos, code)], 1)
+        self.coded_pos = torch.cat([self.coded_pos, self._holed(self.positions, code)], 1)
         index, valid = left_holed(keep)  # (B, S') gather index and which entries are real
         self.keys, self.values = gather_tokens(self.keys, index), gather_tokens(self.values, index)
-        self.dense_pos = self.dense_pos.gather(1, index).masked_fill(~valid, -1)
+        self.positions = self.positions.gather(1, index).masked_fill(~valid, -1)
         self.stats.seconds += time.perf_counter() - t0
 
     def _holed(self, pos: torch.Tensor, cols: list[torch.Tensor]) -> torch.Tensor:
@@ -296,7 +285,7 @@ class FadkvCache(KVCache):
         seconds = sum(lay.stats.seconds for lay in layers)
         return {
             "tokens_coded": coded_tokens,
-            "mean_residual": round(sum(lay.stats.residual_sum for lay in layers) / coded_vecs, 4) if coded_vecs else 0.0,
+            "mean_residual": round(sum(lay.stats.residual_sum for lay in layers) / max(coded_vecs, 1), 4),
             "atoms_replaced": sum(lay.stats.replaced for lay in layers),
             "atoms_active": round(active / (2 * len(layers) * layers[0].batch), 1),
             "dictionary_atoms": max(kind.n_total() for lay in layers for kind in lay.kinds),  # as a row sees it
@@ -350,10 +339,6 @@ class Fadkv(Method):
         if self.keys != "auto":
             return (self.keys,)
         return (self.preferred_keys, *(m for m in KEY_MODES if m != self.preferred_keys))
-
-    def coding(self) -> Coding:
-        return Coding(self.coder, self.screen_pool, self.screen_shots, self.screen_pick, self.adapt,
-                      self.adapt_threshold, self.max_new_atoms)
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         if dictionaries is None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzip.attention import causal_tail, gather_mask, gather_tokens
+from kvzip.attention import attention_with_weights, causal_tail, gather_mask, gather_tokens
 from kvzip.methods.base import KVCache, Method, check_positive, tensor_bytes
 from kvzip.methods.window import WindowCache, WindowLayer
 from kvzip.rope import attention_windows, visible_from
@@ -41,12 +41,8 @@ class H2OLayer(WindowLayer):
             m = gather_mask(mask, self.positions)  # (B, 1, q, S)
         else:
             m = causal_tail(q_len, s, query.device)
-        rep = query.shape[1] // self.kv_heads
-        k = self.keys.repeat_interleave(rep, dim=1)  # (B, Hq, S, d)
-        w = ((query @ k.transpose(-1, -2)) * scaling).masked_fill(~m, float("-inf")).softmax(-1)
-        w = w.nan_to_num()  # (B, Hq, q, S); a padding query sees nothing: zeros, not NaN, for the next layer
+        out, w = attention_with_weights(query, self.keys, self.values, m, scaling)  # (B, q, Hq, d), (B, Hq, q, S)
         self.score += w.sum((1, 2))
-        out = (w @ self.values.repeat_interleave(rep, dim=1)).transpose(1, 2).contiguous()  # (B, q, Hq, d)
         self._evict(mask)
         drop = self._slide()
         self.score = self.score[:, drop:]

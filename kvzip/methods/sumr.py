@@ -22,8 +22,6 @@ class SumR(ThoughtOptions):
 
     name = "sumr"
     summary = "summaries of past thoughts + prompt + recent window, never zooms in (ZoomR baseline)"
-    test_options = {"window": "8", "summary_tokens": "2", "min_thought_tokens": "4", "max_thought_tokens": "8"}
-    lossless_options = {"window": "100000"}
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)

@@ -14,33 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from kvzip.attention import dense_attention, gather_tokens, leading_padding
-from kvzip.methods.base import KVCache, KVLayer, Method, check_positive, tensor_bytes
+from kvzip.methods.base import DenseLayer, KVCache, Method, check_positive, tensor_bytes
 from kvzip.rope import attention_windows, visible_from
 
 
-class WindowLayer(KVLayer):
+class WindowLayer(DenseLayer):
     def __init__(self, sinks: int, window: int, sliding: int | None = None):
         super().__init__(sliding)
         self.sinks, self.window = sinks, window
         self.evicted = 0
         self.pad = None  # (B,) left-padding tokens still stored at the front of each row
-
-    def lazy_initialization(self, key_states, value_states):
-        super().lazy_initialization(key_states, value_states)
-        self.keys = key_states[:, :, :0]
-        self.values = value_states[:, :, :0]
-        self.positions = torch.empty(self.batch, 0, dtype=torch.long, device=key_states.device)  # (B, S)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[2]
-        self.keys = torch.cat([self.keys, key_states], dim=2)  # (B, Hkv, S, d)
-        self.values = torch.cat([self.values, value_states], dim=2)
-        new = torch.arange(self.seen, self.seen + q, device=self.positions.device).expand(self.batch, q)
-        self.positions = torch.cat([self.positions, new], dim=1)
-        self.seen += q
-        return self.keys, self.values
 
     def attend(self, module, query, key, value, mask, scaling):
         if self.pad is None:

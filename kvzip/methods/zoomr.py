@@ -31,6 +31,8 @@ class ThoughtOptions(Method):
     """Options shared by zoomr and sumr: segmentation, summaries and the recent tail (not a method by itself)."""
 
     keeps_prompt = True
+    test_options = {"window": "8", "summary_tokens": "2", "min_thought_tokens": "4", "max_thought_tokens": "8"}
+    lossless_options = {"window": "100000"}
 
     summary_source: str = "pooled"
     summary_pick: str = "norm"
@@ -67,8 +69,6 @@ class ZoomR(ThoughtOptions):
 
     name = "zoomr"
     summary = "thoughts indexed by summaries; zoom-in to the most-voted thoughts' full KV; detail off the device"
-    test_options = {"window": "8", "summary_tokens": "2", "min_thought_tokens": "4", "max_thought_tokens": "8"}
-    lossless_options = {"window": "100000"}
     summary_pick: str = "novel"
     summary_tokens: int = 8
     votes_per_head: int = 2

@@ -3,7 +3,7 @@ methods, their options and their docs are kvzip/methods/fadkv.py and docs/fadkv.
 
 - `state`: `CodedKind`, one kind's (keys' or values') coded tier of a layer: the shared dictionary it codes over,
   the batch's codes, each row's own overlay atoms and atom use counts;
-- `coding`: coding new vectors with a row's dictionary, and fixed-size adaptation (`Coding`, `code_rows`).
+- `coding`: coding new vectors with a row's dictionary, and fixed-size adaptation (`code_rows`, `adapt`).
 
 The registry (kvzip/methods/__init__.py) looks for methods in kvzip/methods/'s own modules only, not in here.
 """

@@ -2,13 +2,16 @@
 
 Each row codes its own vectors (a row's dictionary is the shared one patched by its overlay), with screening
 (FAD-KV) or OMP (Lexico). With adaptation on, a vector whose relative residual ||x - Dc|| / ||x|| exceeds
-`threshold` has its normalised residual placed as an atom, and is re-coded: `adapt=fixed` replaces an inactive atom
-(no live code, least recently used), so the dictionary a row sees stays N atoms; `adapt=append` grows it instead. At
-most `max_new` vectors per call (per row, layer and kind) become atoms, the worst-coded first.
+`adapt_threshold` has its normalised residual placed as an atom, and is re-coded: `adapt=fixed` replaces an inactive
+atom (no live code, least recently used), so the dictionary a row sees stays N atoms; `adapt=append` grows it
+instead. At most `max_new_atoms` vectors per call (per row, layer and kind) become atoms, the worst-coded first.
+`options` is the method's options (kvzip.methods.fadkv.Fadkv): coder, screen_*, adapt, adapt_threshold,
+max_new_atoms.
 """
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -17,27 +20,19 @@ from kvzip.methods.coded.state import CodedKind
 from kvzip.sparse.omp import omp, reconstruct
 from kvzip.sparse.screen import screen
 
+if typing.TYPE_CHECKING:
+    from kvzip.methods.fadkv import Fadkv
+
 ADAPT = ("fixed", "append", "none")
 NORM_EPS = 1e-8  # floor of a vector's norm in relative errors and normalised residuals: an all-zero padding key
 
 
-@dataclass(frozen=True)
-class Coding:
-    """How a layer codes: the coder (`screen` with its pool, shots and pool pick, or `omp`) and the adaptation."""
-
-    coder: str
-    pool: int
-    shots: int
-    pick: str
-    adapt: str
-    threshold: float
-    max_new: int
-
-    def code(self, x: torch.Tensor, atoms: torch.Tensor, gram: torch.Tensor, sparsity: int):
-        """x (M, d) -> idx, coef (M, s) over atoms (N, d) with their Gram (N, N)."""
-        if self.coder == "omp":
-            return omp(x, atoms, sparsity, gram=gram)
-        return screen(x, atoms, sparsity, n=self.pool, gram=gram, shots=self.shots, pick=self.pick)
+def code(options: "Fadkv", x: torch.Tensor, atoms: torch.Tensor, gram: torch.Tensor, sparsity: int):
+    """x (M, d) -> idx, coef (M, s) over atoms (N, d) with their Gram (N, N), by the options' coder."""
+    if options.coder == "omp":
+        return omp(x, atoms, sparsity, gram=gram)
+    return screen(x, atoms, sparsity, n=options.screen_pool, gram=gram, shots=options.screen_shots,
+                  pick=options.screen_pick)
 
 
 @dataclass
@@ -55,7 +50,7 @@ def relative_error(x, atoms, idx, coef) -> torch.Tensor:
     return (x - reconstruct(atoms, idx, coef)).norm(dim=-1) / x.norm(dim=-1).clamp(min=NORM_EPS)
 
 
-def code_rows(kind: CodedKind, xs: list[torch.Tensor], width: int, coding: Coding, stats: CodingStats, now: int):
+def code_rows(kind: CodedKind, xs: list[torch.Tensor], width: int, options: "Fadkv", stats: CodingStats, now: int):
     """xs: per row (H, m_b, d) fp32 -> idx, coef (B, H, width, s), each row's codes after holes (atom 0,
     coefficient 0) that fill it to `width`. Adapts each row's dictionary when asked; holes are never coded."""
     s = kind.sparsity
@@ -68,10 +63,10 @@ def code_rows(kind: CodedKind, xs: list[torch.Tensor], width: int, coding: Codin
             continue
         flat = x.reshape(h * m, d)
         atoms, gram = kind.row_dictionary(row)
-        idx, coef = coding.code(flat, atoms, gram, s)
+        idx, coef = code(options, flat, atoms, gram, s)
         err = relative_error(flat, atoms, idx, coef)
-        if coding.adapt != "none":
-            idx, coef, err = adapt(kind, row, flat, atoms, idx, coef, err, coding, stats)
+        if options.adapt != "none":
+            idx, coef, err = adapt(kind, row, flat, atoms, idx, coef, err, options, stats)
         stats.residual_sum += float(err.sum())
         stats.vectors += flat.shape[0]
         kind.count(row, idx, now)
@@ -80,14 +75,14 @@ def code_rows(kind: CodedKind, xs: list[torch.Tensor], width: int, coding: Codin
     return out_idx, out_coef
 
 
-def adapt(kind: CodedKind, row: int, x, atoms, idx, coef, err, coding: Coding, stats: CodingStats):
+def adapt(kind: CodedKind, row: int, x, atoms, idx, coef, err, options: "Fadkv", stats: CodingStats):
     """Turn the residuals of the worst-coded vectors x (M, d) into atoms of the row's overlay (replacing inactive
     ones, or appended), then re-code those vectors. Returns idx, coef and the relative errors err (M,), updated
     where vectors were re-coded."""
-    bad = (err > coding.threshold).nonzero().flatten()
+    bad = (err > options.adapt_threshold).nonzero().flatten()
     if len(bad) == 0:
         return idx, coef, err
-    bad = bad[err[bad].argsort(descending=True)][: coding.max_new]
+    bad = bad[err[bad].argsort(descending=True)][: options.max_new_atoms]
     res = x[bad] - reconstruct(atoms, idx[bad], coef[bad])  # (nb, d)
     placed = 0
     n_tot = kind.n_total()
@@ -97,7 +92,7 @@ def adapt(kind: CodedKind, row: int, x, atoms, idx, coef, err, coding: Coding, s
     last = torch.full((n_tot,), -1, dtype=torch.long, device=x.device)
     last[: kind.last_used.shape[1]] = kind.last_used[row][:n_tot]
     for i in range(len(bad)):
-        if coding.adapt == "fixed":
+        if options.adapt == "fixed":
             free = (counts == 0).nonzero().flatten()
             if len(free) == 0:
                 break
@@ -113,7 +108,7 @@ def adapt(kind: CodedKind, row: int, x, atoms, idx, coef, err, coding: Coding, s
     if placed == 0:  # no inactive atom to replace: re-coding would give the same codes
         return idx, coef, err
     atoms, gram = kind.row_dictionary(row)
-    new_idx, new_coef = coding.code(x[bad], atoms, gram, kind.sparsity)
+    new_idx, new_coef = code(options, x[bad], atoms, gram, kind.sparsity)
     idx, coef, err = idx.clone(), coef.clone(), err.clone()
     idx[bad], coef[bad] = new_idx, new_coef
     err[bad] = relative_error(x[bad], atoms, new_idx, new_coef)  # other codes use no replaced atom

@@ -33,8 +33,9 @@ class Overlay:
         if len(hit) == 0:
             hit = (self.ids[row] == -1).nonzero()
         if len(hit) == 0:  # no free slot in this row: widen every row by one
-            self.ids = torch.cat([self.ids, self.ids.new_full((self.ids.shape[0], 1), -1)], 1)
-            self.vectors = torch.cat([self.vectors, self.vectors.new_zeros(self.ids.shape[0], 1, self.vectors.shape[-1])], 1)
+            batch, _, dim = self.vectors.shape
+            self.ids = torch.cat([self.ids, self.ids.new_full((batch, 1), -1)], 1)
+            self.vectors = torch.cat([self.vectors, self.vectors.new_zeros(batch, 1, dim)], 1)
             slot = self.ids.shape[1] - 1
         else:
             slot = int(hit[0])

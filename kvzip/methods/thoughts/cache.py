@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvzip.attention import causal_tail, gather_mask, leading_padding
-from kvzip.methods.base import KVCache, KVLayer, tensor_bytes
+from kvzip.methods.base import DenseLayer, KVCache, tensor_bytes
 from kvzip.methods.thoughts.detail import part_bytes
 from kvzip.methods.thoughts.index import Ballot, head_votes, stack_index
 from kvzip.methods.thoughts.segment import Row, Segmentation
@@ -61,7 +61,10 @@ class ThoughtConfig:
         assert self.zoom is None or self.detail is not None, "zooming in needs a detail tier to load thoughts from"
 
 
-class ThoughtLayer(KVLayer):
+class ThoughtLayer(DenseLayer):
+    """The active buffer (keys, values, positions: -1 for an empty slot of a shorter row), each row's summaries,
+    index keys and detail."""
+
     def __init__(self, cache: "ThoughtCache", idx: int, rope=None, sliding: int | None = None):
         super().__init__(sliding)
         self.cache, self.idx, self.version = cache, idx, 0
@@ -70,25 +73,11 @@ class ThoughtLayer(KVLayer):
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
-        self.keys = key_states[:, :, :0]  # (B, Hkv, S, d) active context
-        self.values = value_states[:, :, :0]
-        self.pos = torch.empty(self.batch, 0, dtype=torch.long, device=self.device)  # (B, S), -1 = empty slot
         self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
         self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key (zoom only)
         self.detail = [[] for _ in range(self.batch)]  # per row, per thought: K and V parts off the device
         self.stacked = None  # centred index keys (B, Hkv, T, d) and valid (B, T), built when first needed
         self.host_bytes = 0
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[2]
-        self.keys = torch.cat([self.keys, key_states], dim=2)
-        self.values = torch.cat([self.values, value_states], dim=2)
-        new = torch.arange(self.seen, self.seen + q, device=self.device).expand(self.batch, q)
-        self.pos = torch.cat([self.pos, new], dim=1)
-        self.seen += q
-        return self.keys, self.values
 
     def attend(self, module, query, key, value, mask, scaling):
         c = self.cache
@@ -110,7 +99,7 @@ class ThoughtLayer(KVLayer):
         return out
 
     def memory(self) -> dict[str, int]:
-        device = tensor_bytes(self.keys, self.values, self.pos)
+        device = tensor_bytes(self.keys, self.values, self.positions)
         device += sum(tensor_bytes(*ix) for ix in self.index) + (tensor_bytes(*self.stacked) if self.stacked else 0)
         return {"device": device, "host": self.host_bytes}
 
@@ -118,10 +107,11 @@ class ThoughtLayer(KVLayer):
         """Sliding-window layer, after attending: drop what the next query cannot see (the buffer's oldest slots:
         each row is sorted with its padding in front) and the detail of thoughts that have left the window."""
         cut = visible_from(self.seen, self.sliding)
-        self.pos = self.pos.masked_fill(self.pos < cut, -1)
-        drop = int((self.pos < 0).sum(1).min())
+        self.positions = self.positions.masked_fill(self.positions < cut, -1)
+        drop = int((self.positions < 0).sum(1).min())
         if drop:
-            self.keys, self.values, self.pos = self.keys[:, :, drop:], self.values[:, :, drop:], self.pos[:, drop:]
+            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
+            self.positions = self.positions[:, drop:]
         for b, row in enumerate(self.cache.rows):
             for t, stored in enumerate(self.detail[b]):
                 if stored is not None and row.thoughts[t][1] <= cut:
@@ -130,9 +120,9 @@ class ThoughtLayer(KVLayer):
 
     def _attention(self, query, mask, scaling):
         """query (B, Hq, q, d) over the active buffer -> (B, q, Hq, d)."""
-        valid = (self.pos >= 0)[:, None, None, :]  # (B, 1, 1, S)
+        valid = (self.positions >= 0)[:, None, None, :]  # (B, 1, 1, S)
         if mask is not None:
-            m = gather_mask(mask, self.pos.clamp(min=0)) & valid
+            m = gather_mask(mask, self.positions.clamp(min=0)) & valid
         else:
             m = valid & causal_tail(query.shape[2], self.keys.shape[2], valid.device)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -140,7 +130,7 @@ class ThoughtLayer(KVLayer):
         return out.transpose(1, 2).contiguous()
 
     def _row_slots(self, b: int, start: int, end: int) -> torch.Tensor:
-        p = self.pos[b]
+        p = self.positions[b]
         return ((p >= start) & (p < end)).nonzero().squeeze(-1)  # buffer slots of positions [start, end)
 
     def _finalize(self, b: int, t: int):
@@ -152,13 +142,14 @@ class ThoughtLayer(KVLayer):
             keep = self._row_slots(b, *row.spans[t])
         else:
             first = row.keep[0][0]  # the row's first real token: its left padding is no reference for novelty
-            p = self.pos[b]
+            p = self.positions[b]
             before = ((p >= first) & (p < start)).nonzero().squeeze(-1)
             keep = pick_summary(self.keys[b], p, slots, before, c.config.summary_tokens, c.config.summary_pick,
                                 self.rope)
-        self.summary_pos[b].append(self.pos[b, keep])
+        self.summary_pos[b].append(self.positions[b, keep])
         if c.config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
-            self.index[b].append(unrotate(self.keys[b, :, keep], self.pos[b, keep], self.rope).mean(1))  # (Hkv, d)
+            content = unrotate(self.keys[b, :, keep], self.positions[b, keep], self.rope)  # (Hkv, r, d)
+            self.index[b].append(content.mean(1))  # (Hkv, d)
             self.stacked = None
         if self.detail_store is not None:
             self.detail[b].append(self.detail_store.store(self.keys[b, :, slots], self.values[b, :, slots]))
@@ -176,7 +167,7 @@ class ThoughtLayer(KVLayer):
             if self.stacked is None:
                 return
         keys, valid = self.stacked  # (B, Hkv, T, d), (B, T)
-        q = unrotate(q.transpose(0, 1), self.pos[:, -1], self.rope).transpose(0, 1)  # content against content
+        q = unrotate(q.transpose(0, 1), self.positions[:, -1], self.rope).transpose(0, 1)  # content against content
         if self.sliding is not None:  # a sliding-window layer votes only for thoughts it can still see
             cut = visible_from(self.seen, self.sliding)
             ends = [[e for _, e in row.thoughts[: valid.shape[1]]] for row in c.rows]
@@ -192,7 +183,7 @@ class ThoughtLayer(KVLayer):
         c = self.cache
         rows_k, rows_v, rows_p = [], [], []
         for b, row in enumerate(c.rows):
-            p = self.pos[b]
+            p = self.positions[b]
             if b not in c.rebuilding:  # this row's zoom set and tail did not move: its buffer stays as it is
                 slots = ((p >= 0) & (p >= cut)).nonzero().squeeze(-1)
                 rows_k.append(self.keys[b, :, slots]), rows_v.append(self.values[b, :, slots]), rows_p.append(p[slots])
@@ -221,11 +212,11 @@ class ThoughtLayer(KVLayer):
         width = max(p.numel() for p in rows_p)
         self.keys = self.keys.new_zeros(self.batch, self.kv_heads, width, self.head_dim)
         self.values = torch.zeros_like(self.keys)
-        self.pos = torch.full((self.batch, width), -1, dtype=torch.long, device=self.device)
+        self.positions = torch.full((self.batch, width), -1, dtype=torch.long, device=self.device)
         for b in range(self.batch):  # left-pad each row so the newest tokens line up at the end
             n = rows_p[b].numel()
             self.keys[b, :, width - n:], self.values[b, :, width - n:] = rows_k[b], rows_v[b]
-            self.pos[b, width - n:] = rows_p[b]
+            self.positions[b, width - n:] = rows_p[b]
         self.version = c.version
 
 
