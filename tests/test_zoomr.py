@@ -29,7 +29,7 @@ def test_paragraph_breaks_split_thoughts_and_the_prompt_is_kept(tiny, tokenizer)
     cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", SMALL), "prompt!", text)
     row, plen = cache.rows[0], len(tokenizer("prompt!")["input_ids"])
     assert row.keep == [(0, plen)]
-    # "\n\n" arrives as two byte tokens: a thought ends at the second; "x\n\n" is too short (min_thought 4) to end one.
+    # "\n\n" arrives as two byte tokens: a thought ends at the second; "x\n\n" is too short (min_thought_tokens 4) to end one.
     ends = [e - plen for _, e in row.thoughts]
     assert ends == [len("first thought here.\n\n"), len("first thought here.\n\nsecond one, longer.\n\n"),
                     len("first thought here.\n\nsecond one, longer.\n\nx\n\nthird after a short one\n\n")]
