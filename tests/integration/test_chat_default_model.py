@@ -14,9 +14,15 @@ from kvzip.methods import METHODS, get_method
 from .conftest import run_cli
 
 # Small settings so that three short turns (a few hundred tokens) already compress.
-SMALL = {"window": {"window": "64"}, "zoomr": {"window": "16", "min_thought_tokens": "4", "max_thought_tokens": "16"},
+# zoomr keeps every user turn in full by design, so its chat compresses only the answers: answers of a few sentences,
+# short thoughts with two summary tokens each, a 16-token tail.
+SMALL = {"window": {"window": "64"},
+         "zoomr": {"window": "16", "min_thought_tokens": "4", "max_thought_tokens": "16", "summary_tokens": "2"},
          "fadkv": {"buffer": "32", "code_chunk": "16"}}
 QUESTIONS = ["What is the capital of France?", "Name three rivers in Europe.", "Which of them is the longest?"]
+# zoomr keeps user turns in full and compresses what the model writes: a chat of long answers, as reasoning is.
+LONG = ["What is the capital of France? Write a long story about it, in many short paragraphs.",
+        "Continue the story with many more paragraphs.", "Finish the story, again in many paragraphs."]
 
 
 @pytest.mark.parametrize("name", [n for n in SMALL if n in METHODS])
@@ -29,13 +35,14 @@ def test_three_turns_through_kvzip_chat_use_less_kv_than_full(name, tmp_path):
             pytest.skip(f"{name} needs the shipped dictionary, not trained yet")
     opts = [a for k, v in SMALL[name].items() if k in cls.options() for a in ("--opt", f"{k}={v}")]
     saved = tmp_path / "chat.json"
-    stdin = "\n".join(QUESTIONS + [f"/save {saved}", "/quit"]) + "\n"
-    proc = run_cli("chat", "--method", name, *opts, "--max-new-tokens", "64", stdin=stdin, timeout=180)
+    questions = LONG if cls.keeps_prompt else QUESTIONS
+    stdin = "\n".join(questions + [f"/save {saved}", "/quit"]) + "\n"
+    proc = run_cli("chat", "--method", name, *opts, "--max-new-tokens", "128", stdin=stdin, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "error:" not in proc.stderr
     assert proc.stderr.count("prompt +") == 3  # one summary line per turn when stdout is not a terminal
     data = json.loads(saved.read_text())
-    assert data["method"] == name and [t["user"] for t in data["turns"]] == QUESTIONS
+    assert data["method"] == name and [t["user"] for t in data["turns"]] == questions
     assert all(t["assistant"].strip() and t["assistant"] in proc.stdout for t in data["turns"])
     assert "Paris" in data["turns"][0]["assistant"]
     stats = data["stats"]
