@@ -63,6 +63,15 @@ class Codes:
         self.stored = torch.cat([self.stored, stored], 2)
         self.scale = None if scale is None else torch.cat([self.scale, scale], 2)
 
+    def gather(self, index: torch.Tensor) -> None:
+        """Per row, the coded tokens at `index` (B, T'), e.g. each row's real ones right-aligned; the caller marks
+        the filler entries as holes by position, so their contents are never read."""
+        def pick(x):
+            return x.gather(2, index[:, None, :, None].expand(x.shape[0], x.shape[1], index.shape[1], x.shape[3]))
+
+        self.idx, self.stored = pick(self.idx), pick(self.stored)
+        self.scale = None if self.scale is None else pick(self.scale)
+
     def keep(self, columns: torch.Tensor) -> None:
         """Only the coded tokens at `columns` (T',) stay."""
         self.idx, self.stored = self.idx.index_select(2, columns), self.stored.index_select(2, columns)
