@@ -340,10 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         if changed:
             updates.append((md, new))
     if not args.check:
+        from kvzip.files import write_atomic
+
         for md, new in updates:  # a reader sees the old page or the new one, never half of it
-            tmp = md.with_name(f".{md.name}.tmp")
-            tmp.write_text(new)
-            os.replace(tmp, md)
+            write_atomic(md, new)
     if args.check and stale:
         print(f"{stale[0]} (and {len(stale) - 1} more)" if len(stale) > 1 else stale[0],
               "- run: .venv/bin/python scripts/results_tables.py")

@@ -144,7 +144,7 @@ def test_parse_settings():
     assert s[2].opts == {"window": "16", "sinks": "2"}
     assert parse_settings(None, None, None, names)[0].label == "full" and len(parse_settings(None, None, None, names)) == len(names)
     for args, match in [(("nope", None, None), "unknown method 'nope'"),
-                        (("window", ["full.x=1"], None), "not among --methods"),
+                        (("window", ["full.x=1"], None), "not among the methods run"),
                         (("window", ["window=3"], None), "method.key=value"),
                         (("window", None, ["window:size=3"]), "has no option 'size'"),
                         (("window", None, ["window:window"]), "expected key=value"),

@@ -132,15 +132,15 @@ def parse_settings(methods: str | None, opts: list[str] | None, method_sets: lis
     names = [m.strip() for m in methods.split(",") if m.strip()] if methods else list(registered)
     for name in names:
         if name not in registered:
-            raise UserError(f"unknown method '{name}' in --methods; use some of: {', '.join(registered)}")
+            raise UserError(f"unknown method '{name}'; use some of: {', '.join(registered)}")
     per_method: dict[str, dict[str, str]] = {}
     for item in opts or []:
         target, sep, kv = item.partition(".")
         if not sep or "=" not in kv:
-            raise UserError(f"--opt takes method.key=value (e.g. window.window=256), got {item!r}")
+            raise UserError(f"a method option is method.key=value (e.g. window.window=256), got {item!r}")
         if target not in names:
-            raise UserError(f"--opt {item!r} names method '{target}', which is not among --methods ({', '.join(names)})")
-        per_method.setdefault(target, {}).update(parse_kv_list(kv, f"--opt {item!r}"))
+            raise UserError(f"option {item!r} names method '{target}', which is not among the methods run ({', '.join(names)})")
+        per_method.setdefault(target, {}).update(parse_kv_list(kv, f"option {item!r}"))
     settings = []
     for name in names:
         o = per_method.get(name, {})
@@ -150,8 +150,8 @@ def parse_settings(methods: str | None, opts: list[str] | None, method_sets: lis
         name, _, rest = spec.partition(":")
         name = name.strip()
         if name not in registered:
-            raise UserError(f"--method-set {spec!r}: unknown method '{name}'; use one of: {', '.join(registered)}")
-        o = parse_kv_list(rest, f"--method-set {spec!r}")
+            raise UserError(f"setting {spec!r}: unknown method '{name}'; use one of: {', '.join(registered)}")
+        o = parse_kv_list(rest, f"setting {spec!r}")
         label = name if not o else f"{name}:" + ",".join(f"{k}={v}" for k, v in o.items())
         settings.append(Setting(label, name, o))
     labels = [s.label for s in settings]
