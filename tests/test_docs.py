@@ -43,12 +43,12 @@ def test_check_names_a_tampered_block_and_regenerating_restores_it(tmp_path):
     assert run("--check", "--root", str(tmp_path)).returncode == 0
     page = tmp_path / "docs" / "results.md"
     original = page.read_text()
-    row = re.search(r"<!-- results:quick-ppl .*?\n(\| fadkv \|[^\n]*)", original, re.DOTALL).group(1)
+    row = re.search(r"<!-- results:quick-output .*?\n(\| fadkv \|[^\n]*)", original, re.DOTALL).group(1)
     page.write_text(original.replace(row, row.replace("| fadkv |", "| fadkv (edited) |"), 1))
 
     out = run("--check", "--root", str(tmp_path))
     assert out.returncode == 1
-    assert out.stdout.strip().count("\n") == 0 and "docs/results.md" in out.stdout and "'quick-ppl'" in out.stdout
+    assert out.stdout.strip().count("\n") == 0 and "docs/results.md" in out.stdout and "'quick-output'" in out.stdout
 
     assert run("--root", str(tmp_path)).returncode == 0
     assert page.read_text() == original
