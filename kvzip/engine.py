@@ -236,9 +236,7 @@ def generate(model, tokenizer, prompts: list[list[int]], cache: KVCache, setting
     holds tokens (a chat turn), the batch must be a single row and the new tokens are appended after them.
     """
     past = cache.get_seq_length()
-    for ids in prompts:
-        if not ids:
-            raise UserError("empty prompt")
+    for ids in prompts:  # an empty prompt is refused by Stream.prefill, before any forward
         check_context(model, len(ids), settings.max_new_tokens, past)
     generator = None
     if settings.seed is not None:

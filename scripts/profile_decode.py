@@ -44,7 +44,8 @@ def main() -> None:
     except UserError as exc:
         sys.exit(f"profile_decode: error: {exc}")
     prose = tokenizer(evaluation_prose(), add_special_tokens=False)["input_ids"]
-    prompt = engine.encode(tokenizer, "Work through these problems step by step.")
+    prompt = engine.encode(tokenizer, "Work through these problems step by step.",
+                           raw=tokenizer.chat_template is None)  # a base model (Gemma 3 270M) has no template
     forced = [prose[r * args.context : (r + 1) * args.context] for r in range(args.batch)]
     activities = [torch.profiler.ProfilerActivity.CPU]
     if model.device.type == "cuda":

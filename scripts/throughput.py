@@ -36,7 +36,7 @@ def main() -> None:
     from kvzip import engine
     from kvzip.bench.config import BenchConfig
     from kvzip.bench.runner import environment
-    from kvzip.bench.workloads import Context, _capacity_prompts
+    from kvzip.bench.workloads import Context, capacity_prompts
     from kvzip.dictfiles import dictionaries_for
     from kvzip.errors import UserError
     from kvzip.files import check_writable, write_atomic
@@ -53,7 +53,7 @@ def main() -> None:
         dicts = [dictionaries_for(m, model, source) for m in methods]
     except UserError as exc:
         sys.exit(f"throughput: error: {exc}")
-    prompts = _capacity_prompts(Context(model, tokenizer, BenchConfig()), args.batch)
+    prompts = capacity_prompts(Context(model, tokenizer, BenchConfig()), args.batch)
     settings = engine.Settings(max_new_tokens=args.new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     runs: dict[str, list[dict]] = {n: [] for n in names}

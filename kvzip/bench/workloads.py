@@ -251,7 +251,8 @@ def speed(ctx: Context, label: str, method, dictionaries) -> dict:
     return _headline(runs)
 
 
-def _capacity_prompts(ctx: Context, rows: int) -> list[list[int]]:
+def capacity_prompts(ctx: Context, rows: int) -> list[list[int]]:
+    """`rows` chat prompts of GSM8K evaluation problems (cycled): the batch the capacity and throughput jobs decode."""
     from kvzip.data import gsm8k
 
     problems = gsm8k("evaluation")
@@ -263,14 +264,14 @@ def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
 
     cfg = ctx.cfg
     settings = engine.Settings(max_new_tokens=cfg.capacity_tokens, ignore_eos=True)
-    longest = max(_capacity_prompts(ctx, cfg.capacity_max_rows), key=len)  # a batch pads every row to its longest
+    longest = max(capacity_prompts(ctx, cfg.capacity_max_rows), key=len)  # a batch pads every row to its longest
     _, probe, _ = _run_generate(ctx, method, dictionaries, [longest], settings)
     per_row, per_row_device = probe["kv_bytes_peak"], probe["kv_bytes_device_peak"]
     if label == "full":
         ctx.ref["capacity_budget"] = cfg.kv_budget or FULL_ROWS_IN_BUDGET * per_row
     budget = ctx.ref["capacity_budget"]
     rows = max(1, min(cfg.capacity_max_rows, budget // max(per_row, 1)))
-    results, summary, _ = _run_generate(ctx, method, dictionaries, _capacity_prompts(ctx, rows), settings)
+    results, summary, _ = _run_generate(ctx, method, dictionaries, capacity_prompts(ctx, rows), settings)
     return {
         "kv_budget": budget,
         "kv_bytes_per_row": per_row,
