@@ -1,7 +1,9 @@
 """`full`: the uncompressed reference cache.
 
 Stores every key and value like transformers' DynamicLayer and leaves attention to the stock SDPA path, so greedy
-output is token-identical to `model.generate`. Every other method is measured against it. A sliding-window layer
+output is token-identical to `model.generate`. Every other method is measured against it. `attention=kvzip` keeps the same
+tokens but attends as kvzip's compressed methods do (kvzip.attention.dense_attention: two matmuls when decoding on
+CPU, SDPA otherwise), so a speed ratio can be read apart from the attention kernel. A sliding-window layer
 (Gemma 3, Mistral) keeps its last window - 1 tokens, as transformers' own cache does (DynamicSlidingWindowLayer):
 a full cache of such a model holds no more than that either.
 """
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvzip.methods.base import FullBytes, KVCache, Method, record_shape, tensor_bytes
+from kvzip.attention import dense_attention
+from kvzip.methods.base import DenseLayer, FullBytes, KVCache, Method, check_choice, record_shape, tensor_bytes
 from kvzip.rope import attention_windows
 
 
@@ -35,12 +38,27 @@ class FullSlidingLayer(FullLayer, DynamicSlidingWindowLayer):
         self.sliding = sliding_window
 
 
+class KvzipAttentionLayer(DenseLayer):
+    """Every token kept, attention by kvzip's own path (`Full(attention="kvzip")`)."""
+
+    def attend(self, module, query, key, value, mask, scaling):
+        return dense_attention(query, key, value, mask, scaling)
+
+    def memory(self) -> dict[str, int]:
+        return {"device": tensor_bytes(self.keys, self.values)}
+
+
 @dataclass
 class Full(Method):
     name = "full"
     summary = "uncompressed cache, the reference (token-identical to transformers greedy)"
+    attention: str = "sdpa"  # "kvzip": the same cache attended by kvzip's decode path (module docstring)
+
+    def __post_init__(self):
+        check_choice("attention", self.attention, ("sdpa", "kvzip"))
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         windows = attention_windows(model)
-        return KVCache([FullLayer() if w is None else FullSlidingLayer(sliding_window=w) for w in windows], self)
+        dense = FullLayer if self.attention == "sdpa" else KvzipAttentionLayer
+        return KVCache([dense() if w is None else FullSlidingLayer(sliding_window=w) for w in windows], self)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzip.attention import causal_tail, gather_mask, leading_padding
+from kvzip.attention import causal_tail, decode_path, gather_mask, grouped_attention, leading_padding
 from kvzip.methods.base import DenseLayer, KVCache, tensor_bytes
 from kvzip.methods.thoughts.detail import part_bytes
 from kvzip.methods.thoughts.index import Ballot, head_votes, stack_index
@@ -125,6 +125,8 @@ class ThoughtLayer(DenseLayer):
             m = gather_mask(mask, self.positions.clamp(min=0)) & valid
         else:
             m = valid & causal_tail(query.shape[2], self.keys.shape[2], valid.device)
+        if decode_path(query):
+            return grouped_attention(query, self.keys, self.values, m, scaling)
         out = torch.nn.functional.scaled_dot_product_attention(
             query, self.keys, self.values, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != self.kv_heads)
         return out.transpose(1, 2).contiguous()
