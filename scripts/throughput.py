@@ -23,6 +23,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--methods", default="full,fadkv,zoomr")
+    ap.add_argument("--method-set", action="append", default=[],
+                    help='one more setting, "method:key=value,...", e.g. "full:attention=kvzip" (repeatable)')
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=1)
@@ -34,21 +36,21 @@ def main() -> None:
         ap.error("--batch, --new-tokens and --repeats must be positive")
 
     from kvzip import engine
-    from kvzip.bench.config import BenchConfig
+    from kvzip.bench.config import BenchConfig, parse_settings
     from kvzip.bench.runner import environment
     from kvzip.bench.workloads import Context, capacity_prompts
     from kvzip.dictfiles import dictionaries_for
     from kvzip.errors import UserError
     from kvzip.files import check_writable, write_atomic
-    from kvzip.methods import get_method
+    from kvzip.methods import METHODS
     from kvzip.models import load_model
 
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    names = ["full"] + [n for n in names if n != "full"]
     try:
+        settings = parse_settings(args.methods, None, args.method_set, list(METHODS))  # full first
+        names = [s.label for s in settings]
         if args.json_path:
             check_writable(args.json_path)
-        methods = [get_method(n) for n in names]
+        methods = [s.build() for s in settings]
         model, tokenizer, source = load_model(args.model, args.device, args.dtype)
         dicts = [dictionaries_for(m, model, source) for m in methods]
     except UserError as exc:
@@ -66,11 +68,11 @@ def main() -> None:
                   f"KV {summary['kv_ratio_vs_full']:.3f}x full (device {summary['kv_device_ratio_vs_full']:.3f}x)",
                   flush=True)
     results = []
-    for name in names:
+    for name, method in zip(names, methods):
         ratios = [m["decode_tokens_per_s"] / f["decode_tokens_per_s"] for m, f in zip(runs[name], runs["full"])]
         last = runs[name][-1]
         results.append({
-            "label": name, "method": name, "workload": "throughput", "rows": args.batch,
+            "label": name, "method": method.name, "workload": "throughput", "rows": args.batch,
             "new_tokens_per_row": args.new_tokens,
             "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in runs[name]), 2),
             "speed_ratio_vs_full": round(statistics.median(ratios), 3), "paired_speed_ratios": [round(r, 4) for r in ratios],
@@ -80,7 +82,7 @@ def main() -> None:
     data = {
         "command": "python scripts/throughput.py " + " ".join(sys.argv[1:]),
         "config": vars(args), "environment": environment(model, source),
-        "settings": [{"label": n, "method": n, "options": m.describe()["options"]} for n, m in zip(names, methods)],
+        "settings": [{"label": n, "method": m.name, "options": m.describe()["options"]} for n, m in zip(names, methods)],
         "results": results, "skipped": [], "failed": [], "wall_s": round(time.perf_counter() - t0, 1),
     }
     for r in results:
