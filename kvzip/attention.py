@@ -65,34 +65,28 @@ DECODE_QUERIES = 16
 
 def decode_path(query) -> bool:
     """Whether `grouped_attention` serves this query (B, Hq, q, d): a few new tokens, on CPU. There torch's SDPA
-    kernel (flash attention for CPU) parallelises over query blocks and is built for long queries: with one query
-    per row it reads a bf16 cache at ~2 GB/s, 8.5x slower than two matmuls (measured on SmolLM2's 30 layers, batch
-    8, 1,050 tokens: 104 ms against 12 ms with bf16 scores, 27 ms with fp32 scores; scripts/decode_kernel.py).
+    with `enable_gqa` (what transformers passes when a forward has no mask: every single-stream decode) reads a bf16
+    cache at ~2 GB/s, 5x slower than the same kernel with each KV head's query heads stacked as query rows
+    (scripts/decode_kernel.py: SmolLM2's 30 layers, batch 8, 1,050 tokens, 104 ms against 21 ms per step).
     On CUDA the SDPA kernels are already fast for decoding and stay in charge."""
     return query.device.type == "cpu" and query.shape[2] <= DECODE_QUERIES
 
 
 def grouped_attention(query, keys, values, allowed, scaling):
-    """Attention of a few queries over stored keys and values by two matmuls, each KV head's query heads stacked
-    as rows of one product, so the cache is read once per KV head rather than once per query head.
+    """Attention of a few queries with each KV head's query heads stacked as rows of one SDPA call, so the cache
+    is read once per KV head and SDPA's kernel sees g·q query rows instead of one (transformers does the same for
+    one query with a mask, `pack_gqa`; here with or without one, and for q > 1).
 
     query (B, Hq, q, d); keys, values (B, Hkv, S, d); `allowed` boolean, broadcastable to (B, 1, q, S), or None.
-    Scores and softmax are fp32 (as SDPA accumulates them): keys are upcast for the product, since a bf16 product
-    rounds scores to 3 significant digits (measured 6x SDPA's output error). A query that sees nothing (left
-    padding) gets zero weights, not NaN. Returns (B, q, Hq, d).
+    Scores accumulate in fp32 inside SDPA, as on every other path. Returns (B, q, Hq, d).
     """
     b, hq, q, d = query.shape
     h = keys.shape[1]
     g = hq // h
-    qg = query.reshape(b, h, g * q, d).float()  # query head j*g + i reads KV head j, as SDPA's enable_gqa
-    scores = (qg @ keys.float().transpose(-1, -2)) * scaling  # (B, H, g*q, S)
-    if allowed is not None:
-        m = (allowed if allowed.dtype == torch.bool else allowed == 0).reshape(-1, 1, q, keys.shape[2])
-        scores = scores.view(b, h, g, q, -1).masked_fill(~m[:, None], float("-inf")).view(b, h, g * q, -1)
-    w = scores.softmax(-1)
-    if allowed is not None:
-        w = w.nan_to_num_(0.0)
-    out = w.to(values.dtype) @ values  # (B, H, g*q, d)
+    qg = query.reshape(b, h, g * q, d)  # query head j*g + i reads KV head j, as SDPA's enable_gqa
+    if allowed is not None and q > 1:  # one mask row per query position, repeated for each stacked head
+        allowed = allowed.reshape(-1, 1, 1, q, keys.shape[2]).expand(-1, 1, g, q, -1).reshape(-1, 1, g * q, keys.shape[2])
+    out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=allowed, scale=scaling)
     return out.view(b, hq, q, d).transpose(1, 2).contiguous()
 
 
