@@ -75,6 +75,7 @@ class ThoughtLayer(DenseLayer):
         super().lazy_initialization(key_states, value_states)
         self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
         self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key (zoom only)
+        self.index_bytes = 0  # their bytes, kept as they are added: memory() runs after every forward
         self.detail = [[] for _ in range(self.batch)]  # per row, per thought: K and V parts off the device
         self.stacked = None  # centred index keys (B, Hkv, T, d) and valid (B, T), built when first needed
         self.host_bytes = 0
@@ -100,7 +101,7 @@ class ThoughtLayer(DenseLayer):
 
     def memory(self) -> dict[str, int]:
         device = tensor_bytes(self.keys, self.values, self.positions)
-        device += sum(tensor_bytes(*ix) for ix in self.index) + (tensor_bytes(*self.stacked) if self.stacked else 0)
+        device += self.index_bytes + (tensor_bytes(*self.stacked) if self.stacked else 0)
         return {"device": device, "host": self.host_bytes}
 
     def _slide(self):
@@ -152,6 +153,7 @@ class ThoughtLayer(DenseLayer):
         if c.config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
             content = unrotate(self.keys[b, :, keep], self.positions[b, keep], self.rope)  # (Hkv, r, d)
             self.index[b].append(content.mean(1))  # (Hkv, d)
+            self.index_bytes += tensor_bytes(self.index[b][-1])
             self.stacked = None
         if self.detail_store is not None:
             self.detail[b].append(self.detail_store.store(self.keys[b, :, slots], self.values[b, :, slots]))
@@ -180,46 +182,61 @@ class ThoughtLayer(DenseLayer):
         c.ballot.add(top.flatten(1), hits.float(), max(len(r.thoughts) for r in c.rows))
 
     def _rebuild(self, cut: int = 0):
-        """Gather this layer's active context per row from the buffer, loading zoomed thoughts' detail back; positions
-        before `cut` (what a sliding-window layer's queries can no longer see) are left out."""
+        """Rebuild the active context of the rows whose zoom set or tail moved (`cache.rebuilding`), in place: each
+        such row is gathered anew (zoomed thoughts' detail loaded back) and written right-aligned into the buffer,
+        empty slots in front (position -1); every other row is left as it is. The buffer widens only when a row
+        needs more slots than it has and loses the columns that are empty in every row. Positions before `cut` (what
+        a sliding-window layer's queries can no longer see) are left out."""
         c = self.cache
-        rows_k, rows_v, rows_p = [], [], []
-        for b, row in enumerate(c.rows):
-            p = self.positions[b]
-            if b not in c.rebuilding:  # this row's zoom set and tail did not move: its buffer stays as it is
-                slots = ((p >= 0) & (p >= cut)).nonzero().squeeze(-1)
-                rows_k.append(self.keys[b, :, slots]), rows_v.append(self.values[b, :, slots]), rows_p.append(p[slots])
-                continue
-            wanted = torch.zeros(self.seen, dtype=torch.bool, device=self.device)
-            for s, e in row.keep + [(c.tail_start[b], self.seen)] + [row.thoughts[t] for t in row.zoom]:
-                wanted[s:e] = True
-            for sp in self.summary_pos[b]:
-                wanted[sp] = True
-            wanted[:cut] = False
-            slots = (p >= 0).nonzero().squeeze(-1)
-            slots = slots[wanted[p[slots]]]
-            ks, vs, ps = [self.keys[b, :, slots]], [self.values[b, :, slots]], [p[slots]]
-            missing = wanted.clone()
-            missing[p[p >= 0]] = False
-            for t in row.zoom:
-                s, e = row.thoughts[t]
-                need = missing[s:e].nonzero().squeeze(-1)
-                if need.numel():
-                    hk, hv = self._load(b, t)
-                    ks.append(hk[:, need]), vs.append(hv[:, need]), ps.append(need + s)
-            pos = torch.cat(ps)
-            order = pos.argsort()
-            rows_k.append(torch.cat(ks, 1)[:, order]), rows_v.append(torch.cat(vs, 1)[:, order])
-            rows_p.append(pos[order])
-        width = max(p.numel() for p in rows_p)
-        self.keys = self.keys.new_zeros(self.batch, self.kv_heads, width, self.head_dim)
-        self.values = torch.zeros_like(self.keys)
-        self.positions = torch.full((self.batch, width), -1, dtype=torch.long, device=self.device)
-        for b in range(self.batch):  # left-pad each row so the newest tokens line up at the end
-            n = rows_p[b].numel()
-            self.keys[b, :, width - n:], self.values[b, :, width - n:] = rows_k[b], rows_v[b]
-            self.positions[b, width - n:] = rows_p[b]
+        if cut:
+            self.positions = self.positions.masked_fill(self.positions < cut, -1)
+        rows = {b: self._row_context(b, cut) for b in sorted(c.rebuilding)}
+        need = max((p.numel() for _, _, p in rows.values()), default=0)
+        width = self.keys.shape[2]
+        if need > width:  # widen on the left: older slots are further left in every row
+            grow = need - width
+            self.keys = torch.cat([self.keys.new_zeros(self.batch, self.kv_heads, grow, self.head_dim), self.keys], 2)
+            self.values = torch.cat([self.values.new_zeros(self.batch, self.kv_heads, grow, self.head_dim),
+                                     self.values], 2)
+            self.positions = torch.cat([self.positions.new_full((self.batch, grow), -1), self.positions], 1)
+            width = need
+        for b, (k, v, p) in rows.items():
+            n = p.numel()
+            self.keys[b, :, width - n :], self.values[b, :, width - n :] = k, v
+            self.positions[b, width - n :] = p
+            self.positions[b, : width - n] = -1
+        empty = (self.positions < 0).all(0)  # (S,) columns no row uses; rows are right-aligned, so they lead
+        drop = int(empty.long().cumprod(0).sum())
+        if drop:
+            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
+            self.positions = self.positions[:, drop:]
         self.version = c.version
+
+    def _row_context(self, b: int, cut: int):
+        """Row b's active context (K, V (Hkv, n, d), positions (n,)), sorted by position: the kept prompt, the tail,
+        every summary and the zoomed thoughts, those not in the buffer loaded back from the detail tier."""
+        c, row = self.cache, self.cache.rows[b]
+        p = self.positions[b]
+        wanted = torch.zeros(self.seen, dtype=torch.bool, device=self.device)
+        for s, e in row.keep + [(c.tail_start[b], self.seen)] + [row.thoughts[t] for t in row.zoom]:
+            wanted[s:e] = True
+        for sp in self.summary_pos[b]:
+            wanted[sp] = True
+        wanted[:cut] = False
+        slots = (p >= 0).nonzero().squeeze(-1)
+        slots = slots[wanted[p[slots]]]
+        ks, vs, ps = [self.keys[b, :, slots]], [self.values[b, :, slots]], [p[slots]]
+        missing = wanted.clone()
+        missing[p[p >= 0]] = False
+        for t in row.zoom:
+            s, e = row.thoughts[t]
+            need = missing[s:e].nonzero().squeeze(-1)
+            if need.numel():
+                hk, hv = self._load(b, t)
+                ks.append(hk[:, need]), vs.append(hv[:, need]), ps.append(need + s)
+        pos = torch.cat(ps)
+        order = pos.argsort()
+        return torch.cat(ks, 1)[:, order], torch.cat(vs, 1)[:, order], pos[order]
 
 
 class ThoughtCache(KVCache):
