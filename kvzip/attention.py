@@ -41,14 +41,13 @@ def dense_attention(query, keys, values, mask, scaling, positions=None):
     new ones and get a causal mask among themselves. Returns (B, q, Hq, d).
     """
     q_len, s = query.shape[2], keys.shape[2]
+    decode = decode_path(query)
     attn_mask = None
     if mask is not None:
         attn_mask = mask if positions is None else gather_mask(mask, positions)
-    elif 1 < q_len < s:
+    elif 1 < q_len and (q_len < s or decode):  # the decode path has no causal flag: a short prompt gets the mask
         attn_mask = causal_tail(q_len, s, query.device)
-    if decode_path(query):
-        if attn_mask is None and q_len > 1:  # a short prompt's own forward: causal among its tokens
-            attn_mask = causal_tail(q_len, s, query.device)
+    if decode:
         return grouped_attention(query, keys, values, attn_mask, scaling)
     # Only new tokens and no padding (a prompt's own forward): SDPA's causal kernel, 2.8x faster on CPU at 4k tokens
     # than the same mask written out.
@@ -85,7 +84,8 @@ def grouped_attention(query, keys, values, allowed, scaling):
     g = hq // h
     qg = query.reshape(b, h, g * q, d)  # query head j*g + i reads KV head j, as SDPA's enable_gqa
     if allowed is not None and q > 1:  # one mask row per query position, repeated for each stacked head
-        allowed = allowed.reshape(-1, 1, 1, q, keys.shape[2]).expand(-1, 1, g, q, -1).reshape(-1, 1, g * q, keys.shape[2])
+        s = keys.shape[2]
+        allowed = allowed.reshape(-1, 1, 1, q, s).expand(-1, 1, g, q, s).reshape(-1, 1, g * q, s)
     out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=allowed, scale=scaling)
     return out.view(b, hq, q, d).transpose(1, 2).contiguous()
 

@@ -1,9 +1,10 @@
 """Decode-step attention kernels on CPU: torch's SDPA against kvzip's `grouped_attention`, over a whole model's cache.
 
-One query per row (no mask, as a single stream decodes) over --tokens cached keys and values in every one of --layers layers (distinct tensors, so the
-cache is read from memory as in a real decode step, not from the CPU's caches), SmolLM2-135M's shapes by default
-(9 query heads, 3 KV heads, d=64). Prints milliseconds per step for each kernel and each one's largest error against
-a float64 reference, for the dtype asked. Why kvzip attends by matmuls when decoding on CPU: kvzip/attention.py.
+One query per row (no mask, as a single stream decodes) over --tokens cached keys and values in every one of
+--layers layers (distinct tensors, so the cache is read from memory as in a real decode step, not from the CPU's
+caches), SmolLM2-135M's shapes by default (9 query heads, 3 KV heads, d=64). Prints milliseconds per step for each
+kernel and each one's largest error against a float64 reference, for the dtype asked. Why kvzip stacks query heads
+when decoding on CPU: kvzip/attention.py.
 
     .venv/bin/python scripts/decode_kernel.py --batch 8 --tokens 1050 --dtype bfloat16
 """
@@ -40,14 +41,13 @@ def main() -> None:
     scale = d ** -0.5
     query = (2 * torch.randn(b, hq, 1, d)).to(dtype)
     cache = [((2 * torch.randn(b, h, s, d)).to(dtype), torch.randn(b, h, s, d).to(dtype)) for _ in range(args.layers)]
-    allowed = None  # a single stream's forward has no mask: the case where the kernels differ most
 
     def sdpa(k, v):  # as transformers calls it for a forward without a mask (a single stream)
         out = torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=hq != h)
         return out.transpose(1, 2)
 
     def grouped(k, v):
-        return grouped_attention(query, k, v, allowed, scale)
+        return grouped_attention(query, k, v, None, scale)  # no mask: a single stream's forward
 
     k0, v0 = cache[0]
     rep = hq // h

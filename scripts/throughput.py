@@ -82,7 +82,8 @@ def main() -> None:
     data = {
         "command": "python scripts/throughput.py " + " ".join(sys.argv[1:]),
         "config": vars(args), "environment": environment(model, source),
-        "settings": [{"label": n, "method": m.name, "options": m.describe()["options"]} for n, m in zip(names, methods)],
+        "settings": [{"label": n, "method": m.name, "options": m.describe()["options"]}
+                     for n, m in zip(names, methods)],
         "results": results, "skipped": [], "failed": [], "wall_s": round(time.perf_counter() - t0, 1),
     }
     for r in results:

@@ -133,6 +133,10 @@ class DenseLayer(KVLayer):
         self.values = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
         self.positions = torch.zeros(b, 0, dtype=torch.long, device=self.device)
 
+    def memory(self) -> dict[str, int]:
+        """The dense tier on the device; a subclass that keeps more (scores, codes, a host tier) adds its own."""
+        return {"device": tensor_bytes(self.keys, self.values)}
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -1,9 +1,9 @@
 """`full`: the uncompressed reference cache.
 
 Stores every key and value like transformers' DynamicLayer and leaves attention to the stock SDPA path, so greedy
-output is token-identical to `model.generate`. Every other method is measured against it. `attention=kvzip` keeps the same
-tokens but attends as kvzip's compressed methods do (kvzip.attention.dense_attention: two matmuls when decoding on
-CPU, SDPA otherwise), so a speed ratio can be read apart from the attention kernel. A sliding-window layer
+output is token-identical to `model.generate`. Every other method is measured against it. `attention=kvzip` keeps
+the same tokens but attends as kvzip's compressed methods do (kvzip.attention.dense_attention: query heads stacked
+per KV head when decoding on CPU), so a speed ratio can be read apart from the attention kernel. A sliding-window layer
 (Gemma 3, Mistral) keeps its last window - 1 tokens, as transformers' own cache does (DynamicSlidingWindowLayer):
 a full cache of such a model holds no more than that either.
 """
@@ -43,9 +43,6 @@ class KvzipAttentionLayer(DenseLayer):
 
     def attend(self, module, query, key, value, mask, scaling):
         return dense_attention(query, key, value, mask, scaling)
-
-    def memory(self) -> dict[str, int]:
-        return {"device": tensor_bytes(self.keys, self.values)}
 
 
 @dataclass

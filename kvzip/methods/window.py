@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvzip.attention import dense_attention, gather_tokens, leading_padding
-from kvzip.methods.base import DenseLayer, KVCache, Method, check_positive, tensor_bytes
+from kvzip.methods.base import DenseLayer, KVCache, Method, check_positive
 from kvzip.rope import attention_windows, visible_from
 
 
@@ -63,10 +63,6 @@ class WindowLayer(DenseLayer):
         self.positions = self.positions.gather(1, index)
         self.pad = self.pad - start
         self.evicted += stored - keep
-
-    def memory(self) -> dict[str, int]:
-        return {"device": tensor_bytes(self.keys, self.values)}
-
 
 class WindowCache(KVCache):
     def stats(self) -> dict:
