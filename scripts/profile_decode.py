@@ -42,7 +42,8 @@ def main() -> None:
         model, tokenizer, source = load_model(args.model, args.device, args.dtype)
         dicts = {m.name: dictionaries_for(m, model, source) for m in methods}
     except UserError as exc:
-        sys.exit(f"profile_decode: error: {exc}")
+        print(f"profile_decode: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     prose = tokenizer(evaluation_prose(), add_special_tokens=False)["input_ids"]
     prompt = engine.encode(tokenizer, "Work through these problems step by step.",
                            raw=tokenizer.chat_template is None)  # a base model (Gemma 3 270M) has no template

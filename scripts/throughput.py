@@ -54,7 +54,8 @@ def main() -> None:
         model, tokenizer, source = load_model(args.model, args.device, args.dtype)
         dicts = [dictionaries_for(m, model, source) for m in methods]
     except UserError as exc:
-        sys.exit(f"throughput: error: {exc}")
+        print(f"throughput: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     prompts = capacity_prompts(Context(model, tokenizer, BenchConfig()), args.batch)
     settings = engine.Settings(max_new_tokens=args.new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
