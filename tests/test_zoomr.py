@@ -113,7 +113,8 @@ def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
     eye = torch.eye(16)
     keys = [eye[t].expand(2, 16) for t in range(5)]  # (Hkv, d): thought t's index key is direction t
     cache, layer = voting_layer(tiny, keys, {"votes_per_head": "1", "zoom_thoughts": "1"})
-    layer._vote((10 * eye[3]).expand(1, 4, 16))  # (1, Hq=4, 16): every head points at thought 3
+    cache.queries = [(layer, (10 * eye[3]).expand(1, 4, 16))]  # (1, Hq=4, 16): every head points at thought 3
+    cache.cast_votes()
     assert cache.ballot.votes.argmax().item() == 3 and cache.ballot.votes[0, 3] == 4  # 4 query heads, 1 vote each
     assert cache._select() and cache.rows[0].zoom == [3]
 
@@ -128,7 +129,8 @@ def test_centered_index_removes_what_every_thought_shares(tiny):
     query = 0.3 * shared + own[2]
     assert (raw @ query).argmax().item() == 0
     cache, layer = voting_layer(tiny, [k.expand(2, 16) for k in raw], {"votes_per_head": "1", "zoom_thoughts": "1"})
-    layer._vote(query.expand(1, 4, 16))  # (1, Hq=4, 16)
+    cache.queries = [(layer, query.expand(1, 4, 16))]  # (1, Hq=4, 16)
+    cache.cast_votes()
     assert cache.ballot.votes.argmax().item() == 2
     stacked, _ = layer.stacked  # (B, Hkv, T, d)
     want = torch.nn.functional.normalize(raw - raw.mean(0), dim=-1)

@@ -8,7 +8,8 @@ Three levels, as in transformers' cache_utils:
 - `KVLayer(CacheLayerMixin)`: owns one layer's state. A layer that needs the query implements
   `attend(module, query, key, value, mask, scaling) -> (B, q, Hq, d)`; kvzip's attention function calls it.
 
-Memory is reported by tier, in bytes, as what is really allocated:
+Memory is reported by tier, in bytes, as what is really held (the spare room a dense tier keeps for appending,
+`DenseLayer.SPARE`, aside):
 `device` dense K/V resident on the compute device, `codes` coded tokens (indices + coefficients), `dictionary`
 per-sequence dictionary state, `host` detail kept off the device. `full_same_dtype` and `fp16_full` are what a full
 cache would hold for the same tokens, so every report can state a ratio. Every layer of every method, `full` and
@@ -120,7 +121,16 @@ class KVLayer(FullBytes, CacheLayerMixin):
 class DenseLayer(KVLayer):
     """A layer that keeps some tokens dense: keys and values (B, Hkv, S, d) and their virtual positions (B, S), new
     tokens appended by `update`. What it evicts, codes or moves off the device is the subclass's; `dense_dtype`
-    says what the dense tokens are kept in (the model's dtype unless a subclass stores them smaller)."""
+    says what the dense tokens are kept in (the model's dtype unless a subclass stores them smaller).
+
+    Appending writes into spare room after the stored tokens (`extend`): a `torch.cat` of the whole cache at every
+    step costs a fresh allocation and a copy of everything kept, ~5 ms per layer and tensor at 4k tokens of batch 8
+    on CPU (more than the attention that reads it). `keys`, `values` and `positions` are views of S slots of that
+    room; a subclass may still assign them anything: dropping the oldest slots (a slice) keeps the room, anything
+    else (a gather) makes the next append allocate new room once. `memory()` counts the stored tokens, not the
+    spare slots (at most `SPARE` or 1/16 more), as it does not count DynamicCache's transient copy in its `cat`."""
+
+    SPARE = 16  # slots of spare room at least (or 1/16 of those stored), allocated beyond the stored tokens
 
     def dense_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
@@ -132,6 +142,43 @@ class DenseLayer(KVLayer):
         self.keys = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
         self.values = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
         self.positions = torch.zeros(b, 0, dtype=torch.long, device=self.device)
+        self.room: dict[str, torch.Tensor] = {}  # name -> the allocation its view starts
+
+    @staticmethod
+    def _token_axis(x: torch.Tensor) -> int:
+        return 2 if x.dim() == 4 else 1  # keys, values (B, H, S, d); positions (B, S)
+
+    def _backing(self, name: str) -> tuple[torch.Tensor | None, int]:
+        """The room behind attribute `name` and where along the token axis the attribute starts in it, when the
+        attribute is a run of whole token slots of that room (a leading view, or one a slice dropped the front of);
+        else (None, 0)."""
+        cur, room = getattr(self, name), self.room.get(name)
+        if room is None or cur.untyped_storage().data_ptr() != room.untyped_storage().data_ptr() \
+                or cur.stride() != room.stride():
+            return None, 0
+        dim = self._token_axis(cur)
+        start, rest = divmod(cur.data_ptr() - room.data_ptr(), room.stride(dim) * room.element_size())
+        same = all(a == b for i, (a, b) in enumerate(zip(room.shape, cur.shape)) if i != dim)
+        if rest or start < 0 or not same or start + cur.shape[dim] > room.shape[dim]:
+            return None, 0
+        return room, start
+
+    def extend(self, name: str, new: torch.Tensor) -> torch.Tensor:
+        """Attribute `name` with `new` appended along the token axis, written into its room's spare slots; when
+        none are left, new room is allocated for the stored tokens, the new ones and `SPARE` or 1/16 more."""
+        cur = getattr(self, name)
+        dim = self._token_axis(cur)
+        n, q = cur.shape[dim], new.shape[dim]
+        room, start = self._backing(name)
+        if room is None or start + n + q > room.shape[dim]:
+            shape = list(cur.shape)
+            shape[dim] = n + q + max(self.SPARE, n // 16)
+            room, start = cur.new_empty(shape), 0
+            room.narrow(dim, 0, n).copy_(cur)
+            self.room[name] = room
+        room.narrow(dim, start + n, q).copy_(new)
+        setattr(self, name, room.narrow(dim, start, n + q))
+        return getattr(self, name)
 
     def memory(self) -> dict[str, int]:
         """The dense tier on the device; a subclass that keeps more (scores, codes, a host tier) adds its own."""
@@ -141,10 +188,9 @@ class DenseLayer(KVLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
-        self.keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=2)
-        self.values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=2)
-        new = torch.arange(self.seen, self.seen + q, device=self.positions.device).expand(self.batch, q)
-        self.positions = torch.cat([self.positions, new], dim=1)
+        self.extend("keys", key_states.to(self.keys.dtype))
+        self.extend("values", value_states.to(self.values.dtype))
+        self.extend("positions", torch.arange(self.seen, self.seen + q, device=self.device).expand(self.batch, q))
         self.seen += q
         return self.keys, self.values
 

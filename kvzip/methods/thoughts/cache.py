@@ -93,7 +93,9 @@ class ThoughtLayer(DenseLayer):
         for b, t in c.finishing:
             self._finalize(b, t)
         if c.any_voting:
-            self._vote(query[:, :, -1])
+            c.queries.append((self, query[:, :, -1]))
+            if self.idx == len(c.layers) - 1:
+                c.cast_votes()
         if self.sliding is not None:
             self._slide()
         c.overhead_s += time.perf_counter() - t0
@@ -163,23 +165,15 @@ class ThoughtLayer(DenseLayer):
         """Thought t of row b back on the device: (K, V) each (Hkv, n, d)."""
         return self.detail_store.load(self.detail[b][t], self.device, self.dtype)
 
-    def _vote(self, q):
-        """q (B, Hq, d): every head votes for its best thoughts; the votes land in the cache's ballot."""
-        c = self.cache
-        if self.stacked is None:
-            self.stacked = stack_index(self.index, q)
-            if self.stacked is None:
-                return
-        keys, valid = self.stacked  # (B, Hkv, T, d), (B, T)
-        q = unrotate(q.transpose(0, 1), self.positions[:, -1], self.rope).transpose(0, 1)  # content against content
-        if self.sliding is not None:  # a sliding-window layer votes only for thoughts it can still see
-            cut = visible_from(self.seen, self.sliding)
-            ends = [[e for _, e in row.thoughts[: valid.shape[1]]] for row in c.rows]
-            ends = torch.tensor([e + [0] * (valid.shape[1] - len(e)) for e in ends], device=valid.device)
-            valid = valid & (ends > cut)
-        top = head_votes(q, keys, valid, c.config.zoom.votes_per_head)  # (B, Hq, k)
-        hits = valid.gather(1, top.flatten(1)) & c.voting[:, None]  # (B, Hq*k) only real thoughts, voting rows
-        c.ballot.add(top.flatten(1), hits.float(), max(len(r.thoughts) for r in c.rows))
+    def visible_thoughts(self, valid: torch.Tensor) -> torch.Tensor:
+        """valid (B, T) thoughts of the stacked index -> those this layer's next query can still see: on a
+        sliding-window layer only the thoughts (partly) inside its window."""
+        if self.sliding is None:
+            return valid
+        cut = visible_from(self.seen, self.sliding)
+        ends = [[e for _, e in row.thoughts[: valid.shape[1]]] for row in self.cache.rows]
+        ends = torch.tensor([e + [0] * (valid.shape[1] - len(e)) for e in ends], device=valid.device)
+        return valid & (ends > cut)
 
     def _rebuild(self, cut: int = 0):
         """Rebuild the active context of the rows whose zoom set or tail moved (`cache.rebuilding`), in place: each
@@ -220,8 +214,8 @@ class ThoughtLayer(DenseLayer):
         wanted = torch.zeros(self.seen, dtype=torch.bool, device=self.device)
         for s, e in row.keep + [(c.tail_start[b], self.seen)] + [row.thoughts[t] for t in row.zoom]:
             wanted[s:e] = True
-        for sp in self.summary_pos[b]:
-            wanted[sp] = True
+        if self.summary_pos[b]:
+            wanted[torch.cat(self.summary_pos[b])] = True
         wanted[:cut] = False
         slots = (p >= 0).nonzero().squeeze(-1)
         slots = slots[wanted[p[slots]]]
@@ -255,6 +249,8 @@ class ThoughtCache(KVCache):
         self.rebuilding: set[int] = set()  # rows whose buffer the current version rebuilds
         self.overhead_s, self.steps, self.rebuilds = 0.0, 0, 0
         self.last_zoom: list[list[int]] = []
+        self.queries: list = []  # (layer, its last query (B, Hq, d)) of the current forward, for cast_votes
+        self.index_keys = None  # every layer's stacked index keys (L, B, Hkv, T, d); layers hold views of it
         super().__init__([ThoughtLayer(self, i, ropes[i], windows[i]) for i in range(len(windows))], method)
 
     def on_step(self, token_ids, texts):
@@ -307,6 +303,31 @@ class ThoughtCache(KVCache):
         self.any_voting, self.next_any = self.next_any, False
         self.steps += q_len == 1
         self.overhead_s += time.perf_counter() - t0
+
+    def cast_votes(self):
+        """After the last layer has attended: the query heads of every layer (`queries`, gathered during the
+        forward) vote for their best thoughts, all layers in one batched product, each query turned back by its
+        layer's RoPE (content against content); the votes land in the ballot."""
+        queries, self.queries = self.queries, []
+        layers = [layer for layer, _ in queries]
+        if self.index_keys is None or any(layer.stacked is None for layer in layers):
+            stacks = [stack_index(layer.index, q) for layer, q in queries]
+            if stacks[0] is None:  # no row has finished a thought yet
+                return
+            self.index_keys = torch.stack([keys for keys, _ in stacks])  # (L, B, Hkv, T, d)
+            for i, (layer, (_, valid)) in enumerate(zip(layers, stacks)):
+                layer.stacked = (self.index_keys[i], valid)  # a view: each layer's memory() counts its part
+        valid = torch.stack([layer.visible_thoughts(layer.stacked[1]) for layer in layers])  # (L, B, T)
+        q = torch.stack([q for _, q in queries])  # (L, B, Hq, d)
+        pos = layers[0].positions[:, -1]  # (B,) the newest token's position, the same in every layer
+        content = torch.empty_like(q)
+        for rope in {id(layer.rope): layer.rope for layer in layers}.values():
+            at = [i for i, layer in enumerate(layers) if layer.rope is rope]
+            content[at] = unrotate(q[at].transpose(1, 2), pos, rope).transpose(1, 2)  # (Lr, Hq, B, d) turned
+        top = head_votes(content, self.index_keys, valid, self.config.zoom.votes_per_head)  # (L, B, Hq, k)
+        hits = valid.gather(2, top.flatten(2)) & self.voting[None, :, None]  # only real thoughts, voting rows
+        self.ballot.add(top.transpose(0, 1).flatten(1), hits.transpose(0, 1).flatten(1).float(),
+                        max(len(r.thoughts) for r in self.rows))
 
     def _select(self) -> set[int]:
         """Apply the zoom sets the last forward's votes chose; returns the rows whose zoom set changed."""

@@ -53,11 +53,15 @@ def stack_index(index: list[list[torch.Tensor]], like: torch.Tensor) -> tuple[to
 
 
 def head_votes(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, per_head: int) -> torch.Tensor:
-    """query (B, Hq, d) against index keys (B, Hkv, T, d) of the thoughts marked valid (B, T) -> each query head's
-    `per_head` best thoughts (B, Hq, k), best first (k = per_head, or T when fewer)."""
-    k = keys.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)  # (B, Hq, T, d)
-    scores = torch.einsum("bhd,bhtd->bht", query, k).masked_fill(~valid[:, None], float("-inf"))  # (B, Hq, T)
-    return ranked(scores)[..., : min(per_head, keys.shape[2])]
+    """query (..., Hq, d) against index keys (..., Hkv, T, d) of the thoughts marked valid (..., T) -> each query
+    head's `per_head` best thoughts (..., Hq, k), best first (k = per_head, or T when fewer). Leading dims are
+    batch-like (rows; layers and rows when a whole forward votes at once); query head j·g + i reads KV head j."""
+    *lead, hq, d = query.shape
+    hkv, t = keys.shape[-3], keys.shape[-2]
+    grouped = query.reshape(*lead, hkv, hq // hkv, d)  # each KV head's query heads side by side
+    scores = (grouped @ keys.transpose(-1, -2)).reshape(*lead, hq, t)  # (..., Hq, T)
+    scores = scores.masked_fill(~valid[..., None, :], float("-inf"))
+    return ranked(scores)[..., : min(per_head, t)]
 
 
 class Ballot:
