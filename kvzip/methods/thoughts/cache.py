@@ -77,6 +77,7 @@ class ThoughtLayer(DenseLayer):
         self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key (zoom only)
         self.index_bytes = 0  # their bytes, kept as they are added: memory() runs after every forward
         self.detail = [[] for _ in range(self.batch)]  # per row, per thought: K and V parts off the device
+        self.zoomed = [set() for _ in range(self.batch)]  # per row, the zoom set its buffer was last gathered for
         self.stacked = None  # centred index keys (B, Hkv, T, d) and valid (B, T), built when first needed
         self.host_bytes = 0
 
@@ -153,12 +154,13 @@ class ThoughtLayer(DenseLayer):
                                 self.rope)
         self.summary_pos[b].append(self.positions[b, keep])
         if c.config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
-            content = unrotate(self.keys[b, :, keep], self.positions[b, keep], self.rope)  # (Hkv, r, d)
+            content = unrotate(self.keys[b].index_select(1, keep), self.positions[b, keep], self.rope)  # (Hkv, r, d)
             self.index[b].append(content.mean(1))  # (Hkv, d)
             self.index_bytes += tensor_bytes(self.index[b][-1])
             self.stacked = None
         if self.detail_store is not None:
-            self.detail[b].append(self.detail_store.store(self.keys[b, :, slots], self.values[b, :, slots]))
+            self.detail[b].append(self.detail_store.store(self.keys[b].index_select(1, slots),
+                                                            self.values[b].index_select(1, slots)))
             self.host_bytes += part_bytes(self.detail[b][-1])
 
     def _load(self, b: int, t: int):
@@ -208,7 +210,8 @@ class ThoughtLayer(DenseLayer):
 
     def _row_context(self, b: int, cut: int):
         """Row b's active context (K, V (Hkv, n, d), positions (n,)), sorted by position: the kept prompt, the tail,
-        every summary and the zoomed thoughts, those not in the buffer loaded back from the detail tier."""
+        every summary and the zoomed thoughts, those not in the buffer loaded back from the detail tier. A thought
+        that was zoomed at this row's last gather is whole in the buffer still; only newly zoomed ones are loaded."""
         c, row = self.cache, self.cache.rows[b]
         p = self.positions[b]
         wanted = torch.zeros(self.seen, dtype=torch.bool, device=self.device)
@@ -216,21 +219,27 @@ class ThoughtLayer(DenseLayer):
             wanted[s:e] = True
         if self.summary_pos[b]:
             wanted[torch.cat(self.summary_pos[b])] = True
-        wanted[:cut] = False
-        slots = (p >= 0).nonzero().squeeze(-1)
-        slots = slots[wanted[p[slots]]]
-        ks, vs, ps = [self.keys[b, :, slots]], [self.values[b, :, slots]], [p[slots]]
+        if cut:
+            wanted[:cut] = False
+        live = p >= 0
+        slots = (live & wanted[p.clamp(min=0)]).nonzero().squeeze(-1)
+        # index_select: 4x faster than the same gather written k[:, slots] (CPU, 300 slots)
+        ks, vs, ps = [self.keys[b].index_select(1, slots)], [self.values[b].index_select(1, slots)], [p[slots]]
+        new = [t for t in row.zoom if t not in self.zoomed[b]]
+        self.zoomed[b] = set(row.zoom)
+        if not new:
+            return ks[0], vs[0], ps[0]
         missing = wanted.clone()
-        missing[p[p >= 0]] = False
-        for t in row.zoom:
+        missing[p[live]] = False
+        for t in new:
             s, e = row.thoughts[t]
             need = missing[s:e].nonzero().squeeze(-1)
             if need.numel():
                 hk, hv = self._load(b, t)
-                ks.append(hk[:, need]), vs.append(hv[:, need]), ps.append(need + s)
+                ks.append(hk.index_select(1, need)), vs.append(hv.index_select(1, need)), ps.append(need + s)
         pos = torch.cat(ps)
         order = pos.argsort()
-        return torch.cat(ks, 1)[:, order], torch.cat(vs, 1)[:, order], pos[order]
+        return torch.cat(ks, 1).index_select(1, order), torch.cat(vs, 1).index_select(1, order), pos[order]
 
 
 class ThoughtCache(KVCache):
