@@ -57,3 +57,33 @@ def test_full_on_kvzip_attention_equals_full(tiny, tokenizer):
     torch.testing.assert_close(ours.nll, stock.nll, atol=1e-4, rtol=1e-4)
     assert torch.equal(ours.top1, stock.top1)
     assert ours.report["kv_bytes_peak"] == stock.report["kv_bytes_peak"]
+
+
+def test_dense_layer_appends_into_spare_room_as_cat_would():
+    """DenseLayer.update writes new tokens into room allocated beforehand: the stored tensors equal a running cat,
+    appends reuse one allocation until it is full, dropping the oldest slots keeps it, and a gather (a tensor of
+    its own) gets new room on the next append."""
+    from kvzip.methods.base import DenseLayer
+
+    layer = DenseLayer()
+    ref_k = torch.zeros(2, 3, 0, 4)
+    rooms = set()
+    for step in range(40):
+        q = 5 if step == 0 else 1
+        k = torch.randn(2, 3, q, 4)
+        keys, values = layer.update(k, -k)
+        ref_k = torch.cat([ref_k, k], 2)
+        assert torch.equal(keys, ref_k) and torch.equal(values, -ref_k)
+        assert layer.positions.tolist() == [list(range(layer.seen))] * 2
+        rooms.add(layer.keys.untyped_storage().data_ptr())
+    assert len(rooms) == 3  # room for 21 tokens (5 + 16 spare), then 38, then 55: 44 stored
+    room = layer.keys.untyped_storage().data_ptr()
+    layer.keys, layer.values, layer.positions = layer.keys[:, :, 3:], layer.values[:, :, 3:], layer.positions[:, 3:]
+    layer.update(torch.ones(2, 3, 1, 4), torch.ones(2, 3, 1, 4))
+    assert layer.keys.untyped_storage().data_ptr() == room and layer.keys.shape[2] == 42
+    assert torch.equal(layer.keys[:, :, :-1], ref_k[:, :, 3:]) and layer.positions[0, -1] == 44
+    layer.keys = layer.keys[:, :, [0, 2]]  # a gather: its own tensor
+    layer.values, layer.positions = layer.values[:, :, [0, 2]], layer.positions[:, [0, 2]]
+    layer.update(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4))
+    assert layer.keys.untyped_storage().data_ptr() != room
+    assert torch.equal(layer.keys[:, :, :2], ref_k[:, :, [3, 5]]) and layer.positions[0].tolist() == [3, 5, 45]
