@@ -21,7 +21,7 @@ SUBSET = ("full", "window", "zoomr", "hf-fp8", "hf-int2")
 def test_quick_bench_reports_the_issue_fields(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = run_cli("bench", "--quick", "--methods", ",".join(SUBSET), "--workloads", "output,prompt,recall,capacity",
-                   "--capacity-tokens", "64", "--json", str(out), "--plot", str(png), timeout=1500,
+                   "--capacity-tokens", "64", "--json", str(out), "--plot", str(png), timeout=4500,
                    env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())

@@ -37,7 +37,7 @@ def test_three_turns_through_kvzip_chat_use_less_kv_than_full(name, tmp_path):
     saved = tmp_path / "chat.json"
     questions = LONG if cls.keeps_prompt else QUESTIONS
     stdin = "\n".join(questions + [f"/save {saved}", "/quit"]) + "\n"
-    proc = run_cli("chat", "--method", name, *opts, "--max-new-tokens", "128", stdin=stdin, timeout=300)
+    proc = run_cli("chat", "--method", name, *opts, "--max-new-tokens", "128", stdin=stdin, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "error:" not in proc.stderr
     assert proc.stderr.count("prompt +") == 3  # one summary line per turn when stdout is not a terminal

@@ -31,7 +31,7 @@ def test_generate_leaves_no_process_behind():
     script = Path(sys.executable).with_name("kvzip")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvzip.cli"]
     got = subprocess.run([*cmd, "generate", "--max-new-tokens", "4", "Hi"], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "KVZIP_TEST_MARKER": marker})
+                         timeout=1800, env={**os.environ, "KVZIP_TEST_MARKER": marker})
     assert got.returncode == 0 and got.stdout.strip(), got.stderr
     assert kvzip_processes(f"KVZIP_TEST_MARKER={marker}") == []
 
@@ -80,7 +80,7 @@ def test_wheel_carries_the_shipped_dictionaries(tmp_path):
         shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     isolation = [] if subprocess.run([sys.executable, "-c", "import setuptools"]).returncode else ["--no-build-isolation"]
     got = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", *isolation, "-w",
-                          str(tmp_path / "wheel")], capture_output=True, text=True, timeout=600)
+                          str(tmp_path / "wheel")], capture_output=True, text=True, timeout=1800)
     assert got.returncode == 0, got.stderr
     (wheel,) = (tmp_path / "wheel").glob("kvzip-*.whl")
     with zipfile.ZipFile(wheel) as z:

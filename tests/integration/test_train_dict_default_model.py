@@ -21,7 +21,7 @@ def test_train_dict_small_on_the_default_model(default_model, tmp_path):
 
     out = tmp_path / "d.safetensors"
     proc = run_cli("train-dict", "--tokens", "2000", "--atoms", "64", "--iters", "2", "--samples", "2048",
-                   "--out", str(out), "--device", "cpu", timeout=900, env={"OMP_NUM_THREADS": "1"})
+                   "--out", str(out), "--device", "cpu", timeout=2700, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     model, _, _ = default_model
     d = KVDictionary.load(out)
