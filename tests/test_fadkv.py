@@ -41,7 +41,7 @@ def dense_keys_values(layer, row):
         idx, st, sc = kind.codes.idx, kind.codes.stored, kind.codes.scale
         coef = st.float() if sc is None else st.float() * sc.float()
         h, t, s = idx.shape[1:]
-        atoms = kind.row_dictionary(row)[0][idx[row].long().reshape(-1, s)]  # (H*T, s, d), plain indexing
+        atoms = kind.atom_table(layer.batch)[row][idx[row].long().reshape(-1, s)]  # (H*T, s, d), plain indexing
         vec = (coef[row].reshape(-1, s, 1) * atoms).sum(1)
         rebuilt.append(vec.view(h, t, -1))
     coded_keys = rebuilt[0] + layer.key_mean[:, None]

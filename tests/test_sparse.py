@@ -196,3 +196,37 @@ def test_atomic_save_interrupted(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         _kvd().save(tmp_path / "d.safetensors")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("coder", ["screen", "omp"])
+def test_grouped_dictionaries_code_as_each_group_alone(coder):
+    """One call over Grouped dictionaries (2 layers x 3 rows, overlays replacing and appending atoms) codes every
+    group as the coder does with that group's own explicit dictionary and Gram matrix."""
+    from kvzip.sparse.atoms import Grouped
+
+    N, d, s, m = 64, 16, 6, 20
+    atoms = torch.stack([_dict(N, d, seed=3), _dict(N, d, seed=4)])  # (L, N, d)
+    grams = torch.stack([gram_matrix(a) for a in atoms])
+    size = N + 2  # row 2 of layer 1 appends two atoms; every other row sees zero atoms there
+    ids = torch.full((2, 3, 3), -1)
+    ids[0, 0, :2] = torch.tensor([5, 40])
+    ids[0, 2, :3] = torch.tensor([0, 63, 17])
+    ids[1, 1, :1] = torch.tensor([9])
+    ids[1, 2, :2] = torch.tensor([N, N + 1])
+    vectors = torch.nn.functional.normalize(torch.randn(2, 3, 3, d, generator=torch.Generator().manual_seed(5)), dim=-1)
+    grouped = Grouped(atoms, ids, vectors, size, grams, torch.tensor([0, 1]))
+    x = torch.randn(6, m, d, generator=torch.Generator().manual_seed(6))
+    code = (lambda x, D, **kw: omp(x, D, s, **kw)) if coder == "omp" else \
+        (lambda x, D, **kw: screen(x, D, s, n=8, pick="top", **kw))
+    idx, coef = code(x, grouped)
+    assert idx.shape == coef.shape == (6, m, s)
+    for g in range(6):
+        layer, row = divmod(g, 3)
+        D = torch.cat([atoms[layer], torch.zeros(size - N, d)])
+        live = ids[layer, row] >= 0
+        D[ids[layer, row][live]] = vectors[layer, row][live]
+        want_idx, want_coef = code(x[g], D, gram=gram_matrix(D))
+        assert torch.equal(idx[g], want_idx), g
+        torch.testing.assert_close(coef[g], want_coef, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grouped.reconstruct(idx[g].view(1 * m, s).repeat(6, 1), coef[g].repeat(6, 1))
+                                   .view(6, m, d)[g], reconstruct(D, want_idx, want_coef), rtol=1e-4, atol=1e-5)

@@ -130,13 +130,17 @@ class KVDictionary:
 
 class LayerAtoms(NamedTuple):
     """One layer's dictionary as a cache codes with it: fp32 atoms (N, d) and Gram matrices (N, N) on the device,
-    and the per-KV-head key mean (Hkv, d) or None."""
+    and the per-KV-head key mean (Hkv, d) or None. The Gram matrices of all layers are one tensor `grams`
+    (2 x layers, N, N), keys then values per layer, so a coder can read any layer's entries in one gather: this
+    layer's are slots `slot` (keys) and `slot + 1` (values)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     key_gram: torch.Tensor
     value_gram: torch.Tensor
     key_mean: torch.Tensor | None
+    grams: torch.Tensor
+    slot: int
 
 
 def prepare_layers(dictionaries: KVDictionary, device, paired: bool | list[int] = False) -> list[LayerAtoms]:
@@ -147,7 +151,7 @@ def prepare_layers(dictionaries: KVDictionary, device, paired: bool | list[int] 
     other channels in place)."""
     key = (str(device), paired if isinstance(paired, bool) else tuple(paired))
     if key not in dictionaries.prepared:
-        out = []
+        atoms = []
         for i in range(dictionaries.num_layers):
             d_k = dictionaries.keys[i].float().to(device)
             d_v = dictionaries.values[i].float().to(device)
@@ -156,8 +160,10 @@ def prepare_layers(dictionaries: KVDictionary, device, paired: bool | list[int] 
                 dim = None if paired is True else paired[i]
                 d_k = to_pairs(d_k, dim).contiguous()
                 mean = None if mean is None else to_pairs(mean, dim).contiguous()
-            out.append(LayerAtoms(d_k, d_v, gram_matrix(d_k), gram_matrix(d_v), mean))
-        dictionaries.prepared[key] = out
+            atoms.append((d_k, d_v, mean))
+        grams = torch.stack([gram_matrix(d) for d_k, d_v, _ in atoms for d in (d_k, d_v)])  # (2L, N, N)
+        dictionaries.prepared[key] = [LayerAtoms(d_k, d_v, grams[2 * i], grams[2 * i + 1], mean, grams, 2 * i)
+                                      for i, (d_k, d_v, mean) in enumerate(atoms)]
     return dictionaries.prepared[key]
 
 

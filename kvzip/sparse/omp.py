@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from kvzip.sparse.atoms import Grouped, Shared, reconstruct  # noqa: F401  (reconstruct: re-exported)
+
 # A newly picked atom whose squared distance to the span of the already picked ones is below this is treated as
 # linearly dependent: it gets coefficient 0 instead of dividing by ~0.
 _DEPENDENT = 1e-6
@@ -27,12 +29,6 @@ def gram_matrix(D: torch.Tensor) -> torch.Tensor:
     assert D.dim() == 2, f"dictionary must be (N, d), got {tuple(D.shape)}"
     Df = D.float()
     return Df @ Df.T  # (N, N)
-
-
-def gram_entries(G: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """G[a[m, i], b[m, j]] for atom numbers a (M, k) and b (M, p): (M, k, p), read from the flat Gram matrix."""
-    idx = a.unsqueeze(2) * G.shape[0] + b.unsqueeze(1)        # (M, k, p)
-    return G.reshape(-1).index_select(0, idx.reshape(-1)).view(idx.shape)
 
 
 # fp32 elements of a coder's per-chunk workspace: 8 MB on a CPU (measured faster than larger chunks: it stays in
@@ -65,14 +61,13 @@ def pack_abs(c: torch.Tensor, out: torch.Tensor, columns: torch.Tensor | None = 
     return low
 
 
-def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch.Tensor | None = None,
-                          start: tuple | None = None, return_state: bool = False, work: torch.Tensor | None = None):
-    """OMP given correlations c0 (M, P) and the dictionary's Gram matrix G (N, N), both fp32.
+def omp_from_correlations(c0: torch.Tensor, gram, s: int, start: tuple | None = None, return_state: bool = False,
+                          work: torch.Tensor | None = None):
+    """OMP given correlations c0 (M, P) fp32 and `gram`, the Gram entries on c0's columns (atoms.PoolGram).
 
-    Without `pool`, P = N: c0 = x Dᵀ over every atom. With `pool` (M, P) atom numbers, OMP runs on each row's own
-    candidate pool (screen.py): c0 holds the correlations with the pool's atoms, and each step gathers only the P
-    Gram entries G[picked atom, pool] of its new atom, never a P x P sub-Gram. Returns idx (M, s) int64, positions
-    in c0's columns (map through `pool` for atom numbers), and coef (M, s) fp32.
+    c0 is x Dᵀ over every atom, or over each vector's own candidate pool of P atoms (screen.py): then each step
+    reads only the P Gram entries of its new atom against the pool, never a P x P sub-Gram. Returns idx (M, s)
+    int64, positions in c0's columns (map through the pool for atom numbers), and coef (M, s) fp32.
 
     `start` = (U0 (M, k0, P), Linv0 (M, k0, k0), z0 (M, k0)) resumes a pursuit after k0 steps whose atoms are not in
     the pool (c0 then holds the pool's residual correlations; U0 the earlier orthonormalised atoms' correlations
@@ -82,7 +77,6 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
     parts are read).
     """
     M, P = c0.shape
-    N = G.shape[0]
     alpha = c0.clone()                                        # (M, P) residual correlations
     U = c0.new_empty(M, s, P) if work is None else work      # (M, s, P) correlations of orthonormalised atoms
     Li = c0.new_zeros(M, s, s)                                # (M, s, s) inverse Cholesky factor of G[I, I], lower
@@ -91,10 +85,7 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
     # atom selection by one integer max over pack_abs(alpha) per step: 3-5x faster on CPU than abs + mask + max
     packed = torch.empty(M, P, dtype=torch.int32, device=c0.device)
     columns = torch.arange(P, dtype=torch.int32, device=c0.device)
-    if pool is not None:
-        gdiag = G.diagonal().index_select(0, pool.reshape(-1)).view(M, P)  # (M, P)
-    else:
-        gdiag = G.diagonal().expand(M, N)
+    gdiag = gram.diag  # (M, P) squared norms of the candidates
     k0 = 0
     if start is not None:
         U0, Li0, z0 = start
@@ -116,10 +107,7 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
         z[:, k] = alpha.gather(1, j1).squeeze(1) * inv        # (M,) projection of the residual on the new q
         if k == s - 1:
             break  # the last atom's correlations would only serve a next step
-        if pool is not None:  # (M, P) Gram row of the new atom, on the pool
-            gj = gram_entries(G, pool.gather(1, j1), pool).squeeze(1)
-        else:
-            gj = G.index_select(0, j1.squeeze(1))             # (M, N)
+        gj = gram.row(j1)                                     # (M, P) Gram row of the new atom, on the columns
         if k == 0:
             u = gj                                            # (M, P)
         elif P <= 64:  # small pools (screen.py): broadcast-multiply-sum beats M tiny batched matmuls on CPU
@@ -132,41 +120,47 @@ def omp_from_correlations(c0: torch.Tensor, G: torch.Tensor, s: int, pool: torch
     return (idx, coef, (Li, z)) if return_state else (idx, coef)
 
 
-@torch.no_grad()
-def omp(x: torch.Tensor, D: torch.Tensor, s: int, gram: torch.Tensor | None = None,
-        chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Code x (M, d) with s atoms of D (N, d, unit-norm rows) by OMP.
+def as_dictionary(x: torch.Tensor, D, gram: torch.Tensor | None):
+    """The coders' two call forms, as (dictionary, vectors (G, m, d)): x (M, d) with D a tensor (N, d) and its
+    optional Gram (one shared dictionary, G = 1), or x (G, m, d) with D an atoms.Grouped (group g's m vectors coded
+    with group g's atoms)."""
+    if isinstance(D, Grouped):
+        assert x.dim() == 3 and x.shape[0] == D.groups, f"x must be (G={D.groups}, m, d), got {tuple(x.shape)}"
+        return D, x
+    _check(x, D, 1, gram)
+    return Shared(D, gram_matrix(D) if gram is None else gram), x.unsqueeze(0)
 
-    Returns idx (M, s) int64 and coef (M, s) in x.dtype with x ≈ (coef.unsqueeze(-1) * D[idx]).sum(1).
+
+def chunks(x: torch.Tensor, chunk: int) -> tuple[list[slice], int]:
+    """Slices of x's vector axis (dim 1 of (G, m, d)) holding about `chunk` vectors over all groups each (at least
+    one per group), and the most vectors any holds."""
+    step = max(1, chunk // x.shape[0])
+    return [slice(c, c + step) for c in range(0, max(x.shape[1], 1), step)], x.shape[0] * min(step, max(x.shape[1], 1))
+
+
+@torch.no_grad()
+def omp(x: torch.Tensor, D, s: int, gram: torch.Tensor | None = None,
+        chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code x (M, d) with s atoms of D (N, d, unit-norm rows) by OMP; or x (G, m, d) with D an atoms.Grouped.
+
+    Returns idx and coef (x's leading shape, s): idx int64, coef in x.dtype, x ≈ (coef.unsqueeze(-1) * D[idx]).sum(-2).
     Computes in fp32 (bf16/fp16 inputs are upcast). `gram` = gram_matrix(D), passed by callers that code more
-    than once with the same dictionary. Rows are processed `chunk` at a time to bound the (chunk, s, N) workspace
+    than once with the same dictionary. Vectors are processed `chunk` at a time to bound the (chunk, s, N) workspace
     (default: sized to stay in CPU cache, measured 1.6x faster than 4096-row chunks on CPU; large on CUDA).
     """
-    _check(x, D, s, gram)
-    chunk = chunk or default_chunk(x.device, s * D.shape[0])
-    G = gram_matrix(D) if gram is None else gram.float()
-    Df = D.float()
-    rows = min(chunk, max(x.shape[0], 1))
-    corr = torch.empty(rows, D.shape[0], device=x.device)    # buffers reused by every chunk (fresh pages cost)
-    work = torch.empty(rows, s, D.shape[0], device=x.device)
+    dic, xg = as_dictionary(x, D, gram)
+    assert 1 <= s <= dic.size, f"sparsity s={s} must be in [1, N={dic.size}]"
+    chunk = chunk or default_chunk(x.device, s * dic.size)
+    parts, rows = chunks(xg, chunk)
+    corr = torch.empty(rows, dic.size, device=x.device) if dic.groups == 1 else None  # reused by every chunk
+    work = torch.empty(rows, s, dic.size, device=x.device)    # (fresh pages cost)
     idx_out, coef_out = [], []
-    for c in range(0, max(x.shape[0], 1), chunk):
-        xc = x[c:c + chunk].float()                           # (m, d)
-        m = xc.shape[0]
-        i, a = omp_from_correlations(torch.mm(xc, Df.T, out=corr[:m]), G, s, work=work[:m])  # (m, s), (m, s)
-        idx_out.append(i)
-        coef_out.append(a)
-    return torch.cat(idx_out), torch.cat(coef_out).to(x.dtype)
-
-
-def reconstruct(D: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """Dense vectors (..., d) from codes idx, coef (..., s) over dictionary D (N, d): Σ_j coef[..., j] D[idx[..., j]].
-
-    One fused gather-and-weighted-sum (`embedding_bag`; ~10x faster on CPU than gather, multiply and sum as three
-    ops). int16 and int32 codes are used as they are (int32 is accepted; int16 becomes int32), never widened to int64."""
-    s = idx.shape[-1]
-    bags = idx.reshape(-1, s)
-    bags = bags if bags.dtype in (torch.int32, torch.int64) else bags.int()
-    table = D.float()
-    out = torch.nn.functional.embedding_bag(bags, table, mode="sum", per_sample_weights=coef.reshape(-1, s).float())
-    return out.view(*idx.shape[:-1], table.shape[-1])
+    for part in parts:
+        xc = xg[:, part].float()                              # (G, m, d)
+        m = xc.shape[0] * xc.shape[1]
+        c0 = dic.correlations(xc, out=None if corr is None else corr[:m])
+        i, a = omp_from_correlations(c0, dic.pool(None, m), s, work=work[:m])  # (m, s), (m, s)
+        idx_out.append(i.view(*xc.shape[:2], s))
+        coef_out.append(a.view(*xc.shape[:2], s))
+    idx, coef = torch.cat(idx_out, 1), torch.cat(coef_out, 1).to(x.dtype)
+    return (idx, coef) if x.dim() == 3 else (idx[0], coef[0])

@@ -1,7 +1,9 @@
-"""Coding a layer's new vectors with each row's dictionary, and FAD-KV's fixed-size dictionary adaptation.
+"""Coding new vectors with each row's dictionary, and FAD-KV's fixed-size dictionary adaptation.
 
-Each row codes its own vectors (a row's dictionary is the shared one patched by its overlay), with screening
-(FAD-KV) or OMP (Lexico). With adaptation on, a vector whose relative residual ||x - Dc|| / ||x|| exceeds
+Each row codes its own vectors (a row's dictionary is its layer's shared one patched by the row's overlay), with
+screening (FAD-KV) or OMP (Lexico). The vectors of every layer, kind and row due at a step are coded in one pass
+(`code_kinds`, over kvzip.sparse.atoms.Grouped dictionaries): the coders' cost per call is Python and dispatch, paid
+once instead of 2 x layers x rows times. With adaptation on, a vector whose relative residual ||x - Dc|| / ||x|| exceeds
 `adapt_threshold` has its normalised residual placed as an atom, and is re-coded: `adapt=fixed` replaces an inactive
 atom (no live code, least recently used), so the dictionary a row sees stays N atoms; `adapt=append` grows it
 instead. At most `max_new_atoms` vectors per call (per row, layer and kind) become atoms, the worst-coded first.
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from kvzip.methods.coded.state import CodedKind
-from kvzip.sparse.omp import omp, reconstruct
+from kvzip.sparse.atoms import Grouped
+from kvzip.sparse.omp import omp
 from kvzip.sparse.screen import screen
 
 if typing.TYPE_CHECKING:
@@ -25,19 +28,23 @@ if typing.TYPE_CHECKING:
 
 ADAPT = ("fixed", "append", "none")
 NORM_EPS = 1e-8  # floor of a vector's norm in relative errors and normalised residuals: an all-zero padding key
+# vectors per screening chunk: a decode step's new tokens of every layer, kind and row (30 x 2 x 8 x 96 for SmolLM2
+# at batch 8) in a few passes, so a step pays the coder's per-call cost a few times, not once per layer, kind and row
+CHUNK = 16384
 
 
-def code(options: "Fadkv", x: torch.Tensor, atoms: torch.Tensor, gram: torch.Tensor, sparsity: int):
-    """x (M, d) -> idx, coef (M, s) over atoms (N, d) with their Gram (N, N), by the options' coder."""
+def code(options: "Fadkv", x: torch.Tensor, atoms: Grouped, sparsity: int):
+    """x (G, m, d) -> idx, coef (G, m, s), group g coded over group g's atoms, by the options' coder."""
     if options.coder == "omp":
-        return omp(x, atoms, sparsity, gram=gram)
-    return screen(x, atoms, sparsity, n=options.screen_pool, gram=gram, shots=options.screen_shots,
-                  pick=options.screen_pick)
+        return omp(x, atoms, sparsity)
+    return screen(x, atoms, sparsity, n=options.screen_pool, shots=options.screen_shots, pick=options.screen_pick,
+                  chunk=CHUNK)
 
 
 @dataclass
 class CodingStats:
-    """A layer's running totals: vectors coded, the sum of their relative residuals, atoms placed, seconds coding."""
+    """Running totals of the layers coded together: vectors coded, the sum of their relative residuals, atoms
+    placed, seconds coding."""
 
     vectors: int = 0
     residual_sum: float = 0.0
@@ -45,75 +52,93 @@ class CodingStats:
     seconds: float = 0.0
 
 
-def relative_error(x, atoms, idx, coef) -> torch.Tensor:
-    """||x - D c|| / ||x|| per row of x (M, d) for codes idx, coef (M, s) over atoms (N, d)."""
-    return (x - reconstruct(atoms, idx, coef)).norm(dim=-1) / x.norm(dim=-1).clamp(min=NORM_EPS)
+def relative_error(x: torch.Tensor, atoms: Grouped, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """||x - D c|| / ||x|| (G, m) for vectors x (G, m, d) and their codes idx, coef (G, m, s)."""
+    rebuilt = atoms.reconstruct(idx.reshape(-1, idx.shape[-1]), coef.reshape(-1, coef.shape[-1])).view(x.shape)
+    return (x - rebuilt).norm(dim=-1) / x.norm(dim=-1).clamp(min=NORM_EPS)
 
 
-def code_rows(kind: CodedKind, xs: list[torch.Tensor], width: int, options: "Fadkv", stats: CodingStats, now: int):
-    """xs: per row (H, m_b, d) fp32 -> idx, coef (B, H, width, s), each row's codes after holes (atom 0,
-    coefficient 0) that fill it to `width`. Adapts each row's dictionary when asked; holes are never coded."""
-    s = kind.sparsity
-    h, d = xs[0].shape[0], xs[0].shape[-1]
-    out_idx = torch.zeros(len(xs), h, width, s, dtype=torch.long, device=xs[0].device)
-    out_coef = torch.zeros(len(xs), h, width, s, device=xs[0].device)
-    for row, x in enumerate(xs):
-        m = x.shape[1]
-        if m == 0:
-            continue
-        flat = x.reshape(h * m, d)
-        atoms, gram = kind.row_dictionary(row)
-        idx, coef = code(options, flat, atoms, gram, s)
-        err = relative_error(flat, atoms, idx, coef)
-        if options.adapt != "none":
-            idx, coef, err = adapt(kind, row, flat, atoms, idx, coef, err, options, stats)
-        stats.residual_sum += float(err.sum())
-        stats.vectors += flat.shape[0]
-        kind.count(row, idx, now)
-        out_idx[row, :, width - m :] = idx.view(h, m, -1)
-        out_coef[row, :, width - m :] = coef.view(h, m, -1)
-    return out_idx, out_coef
+def dictionaries(kinds: list[CodedKind], rows: torch.Tensor) -> Grouped:
+    """The atoms rows (B',) of each kind see, as one Grouped of len(kinds) x B' groups (kind-major)."""
+    ov = [kind.overlay for kind in kinds]
+    width = max(o.ids.shape[1] for o in ov)
+    ids = torch.stack([_pad(o.ids[rows], width, -1) for o in ov])  # (L, B', R)
+    vectors = torch.stack([_pad(o.vectors[rows], width, 0.0) for o in ov])  # (L, B', R, d)
+    slots = torch.tensor([kind.gram_slot for kind in kinds], device=rows.device)
+    return Grouped(torch.stack([kind.atoms for kind in kinds]), ids, vectors, max(kind.n_total() for kind in kinds),
+                   kinds[0].grams, slots)
 
 
-def adapt(kind: CodedKind, row: int, x, atoms, idx, coef, err, options: "Fadkv", stats: CodingStats):
-    """Turn the residuals of the worst-coded vectors x (M, d) into atoms of the row's overlay (replacing inactive
-    ones, or appended), then re-code those vectors. Returns idx, coef and the relative errors err (M,), updated
-    where vectors were re-coded."""
-    bad = (err > options.adapt_threshold).nonzero().flatten()
-    if len(bad) == 0:
+def code_kinds(kinds: list[CodedKind], rows: torch.Tensor, x: torch.Tensor, real: torch.Tensor, options: "Fadkv",
+               stats: CodingStats, now: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code new vectors x (L, B', m, d) fp32 of rows (B',) for each of L kinds (same sparsity) in one coder pass:
+    idx, coef (L, B', m, s). Only `real` (L, B', m) vectors count (the others are zero filler, never stored as
+    codes); each row's dictionary adapts when asked, and the atoms the codes use are counted at step `now`."""
+    L, B, m, d = x.shape
+    s = kinds[0].sparsity
+    x, real = x.view(L * B, m, d), real.view(L * B, m)
+    atoms = dictionaries(kinds, rows)
+    idx, coef = code(options, x, atoms, s)
+    err = relative_error(x, atoms, idx, coef) * real
+    if options.adapt != "none":
+        idx, coef, err = adapt(kinds, rows, x, real, atoms, idx, coef, err, options, stats)
+    stats.residual_sum += float(err.sum())
+    stats.vectors += int(real.sum())
+    for kind, i, r in zip(kinds, idx.view(L, B, m, s), real.view(L, B, m)):
+        kind.count(rows, i, r, now)
+    return idx.view(L, B, m, s), coef.view(L, B, m, s)
+
+
+def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, err, options: "Fadkv", stats: CodingStats):
+    """Fixed-size adaptation for every group (kind x row) at once: each group's worst-coded real vectors x (G, m, d)
+    above the threshold (at most `max_new_atoms`) get their normalised residuals placed as atoms of the row's overlay
+    (replacing its inactive atoms, least recently used first, or appended), then are re-coded. Returns idx, coef and
+    the relative errors err (G, m), updated where vectors were re-coded."""
+    G, m, d = x.shape
+    k = min(options.max_new_atoms, m)
+    worst, pos = err.topk(k, dim=1)  # (G, k), worst first: filler vectors have error 0
+    bad = worst > options.adapt_threshold
+    if not bool(bad.any()):
         return idx, coef, err
-    bad = bad[err[bad].argsort(descending=True)][: options.max_new_atoms]
-    res = x[bad] - reconstruct(atoms, idx[bad], coef[bad])  # (nb, d)
-    placed = 0
-    n_tot = kind.n_total()
-    counts = torch.zeros(n_tot, dtype=torch.long, device=x.device)
-    counts[: kind.refcount.shape[1]] += kind.refcount[row][:n_tot]
-    counts.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
-    last = torch.full((n_tot,), -1, dtype=torch.long, device=x.device)
-    last[: kind.last_used.shape[1]] = kind.last_used[row][:n_tot]
-    for i in range(len(bad)):
-        if options.adapt == "fixed":
-            free = (counts == 0).nonzero().flatten()
-            if len(free) == 0:
-                break
-            atom = int(free[last[free].argmin()])
-        else:
-            atom = kind.n_total()
-            counts = torch.cat([counts, counts.new_zeros(1)])
-            last = torch.cat([last, last.new_full((1,), -1)])
-        kind.overlay.put(row, atom, res[i] / res[i].norm().clamp(min=NORM_EPS))
-        counts[atom] = 1  # reserved: the next bad vector must not take it
-        stats.replaced += 1
-        placed += 1
-    if placed == 0:  # no inactive atom to replace: re-coding would give the same codes
+    size = atoms.size
+    if options.adapt == "fixed":
+        counts = torch.stack([_pad(kind.refcount[rows], size, 0) for kind in kinds]).view(G, size)
+        counts.scatter_add_(1, idx.view(G, -1), real[..., None].expand_as(idx).reshape(G, -1).long())
+        last = torch.stack([_pad(kind.last_used[rows], size, -1) for kind in kinds]).view(G, size)
+        never = torch.iinfo(torch.long).max
+        order = torch.where(counts == 0, last, never).sort(dim=1, stable=True)  # inactive atoms, least recent first
+        new_atoms, free = order.indices[:, :k], order.values[:, :k] < never
+    else:  # append: numbers past every row's dictionary
+        new_atoms = size + torch.arange(k, device=x.device).expand(G, k)
+        free = torch.ones_like(bad)
+    place = bad & free  # both are prefixes: the i-th worst vector takes the i-th free atom, until either runs out
+    if not bool(place.any()):
         return idx, coef, err
-    atoms, gram = kind.row_dictionary(row)
-    new_idx, new_coef = code(options, x[bad], atoms, gram, kind.sparsity)
+    g = torch.arange(G, device=x.device)[:, None]
+    xb = x[g, pos]  # (G, k, d)
+    res = xb - atoms.reconstruct(idx[g, pos].view(G * k, -1), coef[g, pos].view(G * k, -1)).view(G, k, d)
+    vectors = res / res.norm(dim=-1, keepdim=True).clamp(min=NORM_EPS)
+    b = len(rows)
+    for i, kind in enumerate(kinds):
+        part = slice(i * b, (i + 1) * b)
+        kind.overlay.put(rows, new_atoms[part], vectors[part], place[part])
+    stats.replaced += int(place.sum())
+    recode = bad & place.any(1, keepdim=True)  # a group that placed an atom re-codes all its bad vectors
+    atoms = dictionaries(kinds, rows)
+    new_idx, new_coef = code(options, xb, atoms, kinds[0].sparsity)
+    new_err = relative_error(xb, atoms, new_idx, new_coef)
     idx, coef, err = idx.clone(), coef.clone(), err.clone()
-    idx[bad], coef[bad] = new_idx, new_coef
-    err[bad] = relative_error(x[bad], atoms, new_idx, new_coef)  # other codes use no replaced atom
+    gg, kk = recode.nonzero(as_tuple=True)
+    idx[gg, pos[gg, kk]], coef[gg, pos[gg, kk]] = new_idx[gg, kk], new_coef[gg, kk]
+    err[gg, pos[gg, kk]] = new_err[gg, kk]  # other codes use no replaced atom
     return idx, coef, err
 
+
+def _pad(table: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """table (B, n, ...) with entries of `fill` appended along dim 1 up to `width`."""
+    if table.shape[1] >= width:
+        return table
+    return torch.cat([table, table.new_full((table.shape[0], width - table.shape[1], *table.shape[2:]), fill)], 1)
 
 
 def left_holed(cols: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

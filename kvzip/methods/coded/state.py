@@ -28,19 +28,32 @@ class Overlay:
         self.ids = torch.full((batch, 0), -1, dtype=torch.long, device=device)
         self.vectors = torch.zeros(batch, 0, dim, device=device)
 
-    def put(self, row: int, atom: int, vector: torch.Tensor) -> None:
-        hit = (self.ids[row] == atom).nonzero()
-        if len(hit) == 0:
-            hit = (self.ids[row] == -1).nonzero()
-        if len(hit) == 0:  # no free slot in this row: widen every row by one
+    def put(self, rows: torch.Tensor, atoms: torch.Tensor, vectors: torch.Tensor, ok: torch.Tensor) -> None:
+        """Place atoms (B', k) with their vectors (B', k, d) in rows (B',) where ok (B', k): an atom already in a row's
+        overlay keeps its slot, a new one takes a free slot (every row widened when one runs out). A row's atoms are
+        distinct."""
+        if not bool(ok.any()):
+            return
+        ids = self.ids[rows]  # (B', R)
+        hit = (ids[:, None, :] == atoms[:, :, None]) & ok[..., None]  # (B', k, R)
+        new = ok & ~hit.any(-1)
+        short = int((new.sum(1) - (ids == -1).sum(1)).max())
+        if short > 0:  # widen every row by the most slots any row lacks
             batch, _, dim = self.vectors.shape
-            self.ids = torch.cat([self.ids, self.ids.new_full((batch, 1), -1)], 1)
-            self.vectors = torch.cat([self.vectors, self.vectors.new_zeros(batch, 1, dim)], 1)
-            slot = self.ids.shape[1] - 1
-        else:
-            slot = int(hit[0])
-        self.ids[row, slot] = atom
-        self.vectors[row, slot] = vector
+            self.ids = torch.cat([self.ids, self.ids.new_full((batch, short), -1)], 1)
+            self.vectors = torch.cat([self.vectors, self.vectors.new_zeros(batch, short, dim)], 1)
+            ids = self.ids[rows]
+            hit = torch.cat([hit, hit.new_zeros(*hit.shape[:2], short)], -1)
+        free = ids == -1
+        width = ids.shape[1]
+        # the r-th new atom of a row takes the row's r-th free slot
+        slot_of = torch.full((len(rows), width + 1), width, dtype=torch.long, device=ids.device)
+        rank = torch.where(free, free.long().cumsum(1) - 1, width)
+        slot_of.scatter_(1, rank, torch.arange(width, device=ids.device).expand(len(rows), width))
+        slot = torch.where(new, slot_of.gather(1, (new.long().cumsum(1) - 1).clamp(min=0)), hit.long().argmax(-1))
+        r = rows[:, None].expand_as(slot)[ok]
+        self.ids[r, slot[ok]] = atoms[ok]
+        self.vectors[r, slot[ok]] = vectors[ok].to(self.vectors.dtype)
 
     def bytes(self) -> int:
         used = int((self.ids >= 0).sum())
@@ -86,11 +99,12 @@ class Codes:
 
 
 class CodedKind:
-    """One kind's coded tier (module docstring). atoms (N, d), gram (N, N): the shared dictionary, fp32."""
+    """One kind's coded tier (module docstring). atoms (N, d): the shared dictionary, fp32; its Gram matrix is
+    grams[gram_slot] (all layers' Gram matrices in one tensor, kvzip.sparse.dictionary.LayerAtoms)."""
 
-    def __init__(self, atoms: torch.Tensor, gram: torch.Tensor, sparsity: int, coef_format: str, batch: int,
-                 heads: int):
-        self.atoms, self.gram, self.sparsity = atoms, gram, sparsity
+    def __init__(self, atoms: torch.Tensor, grams: torch.Tensor, gram_slot: int, sparsity: int, coef_format: str,
+                 batch: int, heads: int):
+        self.atoms, self.grams, self.gram_slot, self.sparsity = atoms, grams, gram_slot, sparsity
         self.n_atoms, dim = atoms.shape
         dev = atoms.device
         idx_dtype = torch.int16 if self.n_atoms + 4096 < 32767 else torch.int32
@@ -108,33 +122,16 @@ class CodedKind:
         ov = self.overlay
         return max(self.n_atoms, int(ov.ids.max()) + 1 if ov.ids.numel() else 0)
 
-    def row_dictionary(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (Ntot, d) atoms and Gram this row codes with: the shared ones, patched by the row's overlay."""
-        ov = self.overlay
-        live = ov.ids[row] >= 0
-        if not bool(live.any()):
-            return self.atoms, self.gram
-        ids, vecs = ov.ids[row][live], ov.vectors[row][live]
-        n_tot = max(self.n_atoms, int(ids.max()) + 1)
-        if n_tot == self.n_atoms:  # adapt=fixed: replaced atoms only, so copies of the shared tensors are patched
-            atoms, gram = self.atoms.clone(), self.gram.clone()
-        else:
-            atoms = torch.cat([self.atoms, self.atoms.new_zeros(n_tot - self.n_atoms, self.atoms.shape[1])])
-            gram = torch.zeros(n_tot, n_tot, device=self.gram.device)
-            gram[: self.n_atoms, : self.n_atoms] = self.gram
-        atoms[ids] = vecs
-        rows = atoms[ids] @ atoms.T  # (R, Ntot)
-        gram[ids] = rows
-        gram[:, ids] = rows.T
-        return atoms, gram
-
-    def count(self, row: int, idx: torch.Tensor, now: int) -> None:
-        """New codes idx (..., s) of `row` at step `now`: each atom they use gains a live code."""
+    def count(self, rows: torch.Tensor, idx: torch.Tensor, real: torch.Tensor, now: int) -> None:
+        """New codes idx (B', m, s) of rows (B',) at step `now`: each atom the `real` (B', m) ones use gains a live code."""
         n_tot = self.n_total()
         self.refcount, self.last_used = _widen(self.refcount, n_tot, 0), _widen(self.last_used, n_tot, -1)
-        flat = idx.reshape(-1)
-        self.refcount[row].scatter_add_(0, flat, torch.ones_like(flat))
-        self.last_used[row, flat] = now
+        flat = torch.where(real[..., None], idx, n_tot).reshape(len(rows), -1)  # filler: a spare last column
+        counts = torch.cat([self.refcount[rows], self.refcount.new_zeros(len(rows), 1)], 1)
+        counts.scatter_add_(1, flat, torch.ones_like(flat))
+        last = torch.cat([self.last_used[rows], self.last_used.new_zeros(len(rows), 1)], 1)
+        last.scatter_(1, flat, now)
+        self.refcount[rows], self.last_used[rows] = counts[:, :n_tot], last[:, :n_tot]
 
     def forget(self, gone: torch.Tensor) -> None:
         """Coded tokens gone (B, T) (out of a sliding window): the atoms their codes used lose a live code."""
