@@ -209,7 +209,7 @@ def test_grouped_dictionaries_code_as_each_group_alone(coder):
     grams = torch.stack([gram_matrix(a) for a in atoms])
     size = N + 2  # row 2 of layer 1 appends two atoms; every other row sees zero atoms there
     ids = torch.full((2, 3, 3), -1)
-    ids[0, 0, :2] = torch.tensor([5, 40])
+    ids[0, 0, :2] = torch.tensor([0, 40])  # atom 0 live beside a free slot
     ids[0, 2, :3] = torch.tensor([0, 63, 17])
     ids[1, 1, :1] = torch.tensor([9])
     ids[1, 2, :2] = torch.tensor([N, N + 1])

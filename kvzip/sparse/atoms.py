@@ -78,6 +78,8 @@ class Grouped:
             g = torch.arange(self.groups, device=dev)[:, None].expand(-1, R)
             index[g[live], self.ids[live]] = slots_[live]
         self.index = index
+        self.live = (self.ids >= 0).nonzero(as_tuple=True)  # (group, slot) of every live overlay atom
+        self._norms = None
 
     def _group(self, m: int, device) -> torch.Tensor:
         """The group of each of m = G x per vectors (group-major)."""
@@ -91,34 +93,26 @@ class Grouped:
         """x (G, m, d) -> (G·m, size): each group's vectors against each of its atoms."""
         G, m, d = x.shape
         L, N, B = self.atoms.shape[0], self.n, self.per_layer
-        shared = torch.bmm(x.reshape(L, B * m, d), self.atoms.transpose(1, 2)).view(G, m, N)
-        if self.size == N and not self.ids.shape[1]:
-            return shared.reshape(G * m, N)
-        c = torch.cat([shared, shared.new_zeros(G, m, self.size + 1 - N)], 2)  # a spare last column
+        c = torch.bmm(x.reshape(L, B * m, d), self.atoms.transpose(1, 2)).view(G, m, N)
+        if self.size > N:  # appended atoms: zero until an overlay fills them
+            c = torch.cat([c, c.new_zeros(G, m, self.size - N)], 2)
         if self.ids.shape[1]:
             over = torch.bmm(x, self.vectors.transpose(1, 2))  # (G, m, R)
-            cols = torch.where(self.ids >= 0, self.ids, self.size)[:, None, :].expand(G, m, -1)  # free: spare
-            c.scatter_(2, cols, over)
-        return c[..., : self.size].reshape(G * m, self.size)
+            g, r = self.live
+            c[g, :, self.ids[g, r]] = over[g, :, r]  # each live overlay atom's column
+        return c.view(G * m, self.size)
 
     def reconstruct(self, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
         return reconstruct(self.table, self._rows(idx), coef)
 
-    def entries(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """Gram entries (M, k, p) of each vector's group between atom numbers a (M, k) and b (M, p)."""
-        M, N = a.shape[0], self.n
-        at = self.gram_at[self._group(M, a.device)][:, None, None]
-        flat = at + a.clamp(max=N - 1)[:, :, None] * N + b.clamp(max=N - 1)[:, None, :]  # (M, k, p)
-        out = self.grams.index_select(0, flat.reshape(-1)).view(flat.shape)
-        ra, rb = self._rows(a), self._rows(b)
-        own = (ra >= self.own)[:, :, None] | (rb >= self.own)[:, None, :]  # an overlay (or zero) atom is involved
-        if bool(own.any()):
-            m, i, j = own.nonzero(as_tuple=True)
-            out[m, i, j] = (self.table[ra[m, i]] * self.table[rb[m, j]]).sum(-1)
-        return out
+    def norms(self) -> torch.Tensor:
+        """Squared norms of the table's rows (1 for atoms, 0 for the zero row), computed once."""
+        if self._norms is None:
+            self._norms = self.table.square().sum(-1)
+        return self._norms
 
     def pool(self, pool: torch.Tensor | None, m: int) -> "PoolGram":
-        norms = self.table.square().sum(-1)  # (rows of table,) squared norms: 1 for atoms, 0 for the zero row
+        norms = self.norms()
         if pool is None:  # every atom (OMP): a Gram row is the new atom's correlations with its group's atoms
             diag = norms[self.index].repeat_interleave(m // self.groups, 0)  # (M, size)
 
@@ -127,8 +121,25 @@ class Grouped:
                 return self.correlations(v.view(self.groups, -1, v.shape[-1]))
 
             return PoolGram(diag, every, None)
-        return PoolGram(norms[self._rows(pool)], lambda j: self.entries(pool.gather(1, j), pool).squeeze(1),
-                        lambda a: self.entries(a, pool))
+        # what every step reads about the pool, found once: its rows in `table`, which are not shared atoms, and
+        # where its columns sit in each vector's Gram block
+        N = self.n
+        group = self._group(pool.shape[0], pool.device)[:, None]  # (M, 1)
+        rows = self.index[group, pool]  # (M, P)
+        own = rows >= self.own
+        columns = self.gram_at[group] + pool.clamp(max=N - 1)  # (M, P) flat offsets of G[0, pool]
+
+        def entries(a):  # atom numbers a (M, k) -> (M, k, P)
+            out = self.grams.index_select(0, (columns[:, None, :] + a.clamp(max=N - 1)[:, :, None] * N).reshape(-1))
+            out = out.view(*a.shape, pool.shape[1])
+            ra = self.index[group, a]
+            mixed = (ra >= self.own)[:, :, None] | own[:, None, :]  # an overlay (or zero) atom is involved
+            if bool(mixed.any()):
+                v, i, j = mixed.nonzero(as_tuple=True)
+                out[v, i, j] = (self.table[ra[v, i]] * self.table[rows[v, j]]).sum(-1)
+            return out
+
+        return PoolGram(norms[rows], lambda j: entries(pool.gather(1, j)).squeeze(1), entries)
 
 
 class PoolGram:
