@@ -82,6 +82,8 @@ COLUMNS = {
     "recall_accuracy": Column("recall", "{:.2f}"),
     "decode_tokens_per_s": Column("decode tok/s", "{:.1f}"),
     "speed_ratio_vs_full": Column("speed / full", "{:.2f}"),
+    "decode_tokens_per_s_end": Column("decode tok/s, last steps", "{:.1f}"),
+    "end_speed_ratio_vs_full": Column("speed / full, last steps", "{:.2f}"),
     "ttft_s": Column("ttft s", "{:.2f}"),
     "ttft_ratio_vs_full": Column("ttft / full", "{:.2f}"),
 }

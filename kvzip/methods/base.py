@@ -143,6 +143,7 @@ class DenseLayer(KVLayer):
         self.values = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
         self.positions = torch.zeros(b, 0, dtype=torch.long, device=self.device)
         self.room: dict[str, torch.Tensor] = {}  # name -> the allocation its view starts
+        self.appended: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (the view extend set, its start in room)
 
     @staticmethod
     def _token_axis(x: torch.Tensor) -> int:
@@ -169,7 +170,11 @@ class DenseLayer(KVLayer):
         cur = getattr(self, name)
         dim = self._token_axis(cur)
         n, q = cur.shape[dim], new.shape[dim]
-        room, start = self._backing(name)
+        last = self.appended.get(name)
+        if last is not None and last[0] is cur:  # untouched since the last append (the common case): no pointer checks
+            room, start = self.room[name], last[1]
+        else:
+            room, start = self._backing(name)
         if room is None or start + n + q > room.shape[dim]:
             shape = list(cur.shape)
             shape[dim] = n + q + max(self.SPARE, n // 16)
@@ -177,8 +182,10 @@ class DenseLayer(KVLayer):
             room.narrow(dim, 0, n).copy_(cur)
             self.room[name] = room
         room.narrow(dim, start + n, q).copy_(new)
-        setattr(self, name, room.narrow(dim, start, n + q))
-        return getattr(self, name)
+        view = room.narrow(dim, start, n + q)
+        setattr(self, name, view)
+        self.appended[name] = (view, start)
+        return view
 
     def memory(self) -> dict[str, int]:
         """The dense tier on the device; a subclass that keeps more (scores, codes, a host tier) adds its own."""

@@ -46,9 +46,9 @@ def stack_index(index: list[list[torch.Tensor]], like: torch.Tensor) -> tuple[to
     keys = like.new_zeros(len(index), heads, n, dim)
     valid = torch.zeros(len(index), n, dtype=torch.bool, device=like.device)
     for b, ix in enumerate(index):
-        for t, x in enumerate(ix):
-            keys[b, :, t] = x
-            valid[b, t] = True
+        if ix:  # one write per row, not per thought
+            keys[b, :, : len(ix)] = torch.stack(ix, 1)
+            valid[b, : len(ix)] = True
     return centre_index(keys, valid), valid
 
 
@@ -91,11 +91,13 @@ class Ballot:
             grown[:, : old.shape[1]] = old
             cast = votes.sum(1, keepdim=True) > 0
             self.running = torch.where(cast, self.decay * grown + votes, grown)
+        tally = self.running if self.decay > 0 else votes
+        top = ranked(tally)[:, : self.zoom_thoughts]  # (B, c) the most-voted of every row, ties to the earlier thought
+        # one read back to the host for the whole batch: which rows voted, their top thoughts and those thoughts' tally
+        cast, top_ids, top_votes = (votes.sum(1) > 0).tolist(), top.tolist(), tally.gather(1, top).tolist()
         for b in range(votes.shape[0]):
-            if votes[b].sum() <= 0:
+            if not cast[b]:
                 continue
-            v = self.running[b] if self.decay > 0 else votes[b]
-            top = ranked(v)[: self.zoom_thoughts]  # the most-voted, ties to the earlier thought
-            chosen[b] = sorted(int(i) for i in top if v[i] > 0)
+            chosen[b] = sorted(i for i, v in zip(top_ids[b], top_votes[b]) if v > 0)
             self.selections += 1
         return chosen
