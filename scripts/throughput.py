@@ -4,8 +4,8 @@ The batch job a serving engine is measured on: `--batch` GSM8K prompts generated
 `--ignore-eos` semantics, greedy. Each repeat runs every method once in turn, `full` first, so each method's ratio is
 paired with the `full` run of its own repeat (a shared CPU's load drifts slowly); the median of the paired ratios is
 reported, for the whole decode and for its last `--end-steps` steps (the speed at the longest context, where a
-smaller cache should pay most). The JSON carries the command, commit and environment like `kvzip bench`'s, so docs tables can be generated
-from it (scripts/results_tables.py).
+smaller cache should pay most). The JSON carries the command, commit and environment like `kvzip bench`'s, so docs
+tables can be generated from it (scripts/results_tables.py).
 
     .venv/bin/python scripts/throughput.py --methods full,fadkv,zoomr --batch 8 --new-tokens 1024 \\
         --json kvzip/bench/results/throughput_cpu.json
@@ -82,8 +82,8 @@ def main() -> None:
                   flush=True)
     results = []
     for name, method in zip(names, methods):
-        ratios = [m["decode_tokens_per_s"] / f["decode_tokens_per_s"] for m, f in zip(runs[name], runs["full"])]
-        end = [m["decode_tokens_per_s_end"] / f["decode_tokens_per_s_end"] for m, f in zip(runs[name], runs["full"])]
+        paired = lambda key: [m[key] / f[key] for m, f in zip(runs[name], runs["full"])]  # noqa: E731
+        ratios, end = paired("decode_tokens_per_s"), paired("decode_tokens_per_s_end")
         last = runs[name][-1]
         results.append({
             "label": name, "method": method.name, "workload": "throughput", "rows": args.batch,
