@@ -2,9 +2,11 @@
 
 Active context on the device, per row = the prompt (kept in full; it holds the attention sinks) + every finished
 thought's summary + (zoomr) the zoomed thoughts' full K/V, loaded back from the detail tier + the recent tail (the
-last `window` tokens and the whole unfinished thought). Rows of a left-padded batch have their own thoughts; the
-device buffer is padded per row (position -1). A row's buffer is rebuilt when its zoom set changes or its tail has
-moved by a quarter window, each row on its own schedule, so a row of a batch keeps exactly what it would keep alone.
+last `window` tokens and the whole unfinished thought). Rows of a
+left-padded batch have their own thoughts; the device buffer is padded per row (position -1). A row's buffer is
+rebuilt when its zoom set changes or its tail has moved by a quarter window, each row on its own schedule, so a row
+of a batch keeps exactly what it would keep alone. The full-attention layers are rebuilt and finalized together
+(`LayerGroup`): they differ only in which tokens each one's summaries kept.
 
 Zoom-in is applied one step late: layer L attends before layer L+1 has even computed its query, so the consensus of
 the votes exists only after the whole forward. Votes cast during one token's forward choose the zoom set from the
@@ -28,7 +30,7 @@ import torch
 
 from kvzip.attention import causal_tail, decode_path, gather_mask, grouped_attention, leading_padding
 from kvzip.methods.base import DenseLayer, KVCache, tensor_bytes
-from kvzip.methods.thoughts.detail import part_bytes
+from kvzip.methods.thoughts.detail import part_bytes, store_layers
 from kvzip.methods.thoughts.index import Ballot, head_votes, stack_index
 from kvzip.methods.thoughts.segment import Row, Segmentation
 from kvzip.methods.thoughts.summary import pick_summary
@@ -70,6 +72,7 @@ class ThoughtLayer(DenseLayer):
         self.cache, self.idx, self.version = cache, idx, 0
         self.rope = rope  # this layer's Rope: content-space index keys and summary_pick=novel
         self.detail_store = None if cache.config.detail is None else cache.config.detail[idx]
+        self.group: LayerGroup | None = None  # set by LayerGroup
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
@@ -77,22 +80,24 @@ class ThoughtLayer(DenseLayer):
         self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key (zoom only)
         self.index_bytes = 0  # their bytes, kept as they are added: memory() runs after every forward
         self.detail = [[] for _ in range(self.batch)]  # per row, per thought: K and V parts off the device
-        self.zoomed = [set() for _ in range(self.batch)]  # per row, the zoom set its buffer was last gathered for
         self.stacked = None  # centred index keys (B, Hkv, T, d) and valid (B, T), built when first needed
         self.host_bytes = 0
+        if self is self.group.layers[0]:
+            self.group.summary_pos = [[] for _ in range(self.batch)]
 
     def attend(self, module, query, key, value, mask, scaling):
-        c = self.cache
+        c, group = self.cache, self.group
         if self.idx == 0:
             c.begin_forward(mask, query.shape[2], self.batch, self.device)
         t0 = time.perf_counter()
-        if self.version != c.version:
-            self._rebuild(visible_from(self.seen - query.shape[2], self.sliding))
+        if self.version != c.version:  # the group's first layer: its layers are rebuilt together
+            group.rebuild(query.shape[2], visible_from(self.seen - query.shape[2], self.sliding))
         c.overhead_s += time.perf_counter() - t0
         out = self._attention(query, mask, scaling)
         t0 = time.perf_counter()
-        for b, t in c.finishing:
-            self._finalize(b, t)
+        if self is group.layers[-1]:  # every layer of the group holds this forward's tokens now
+            for b, t in c.finishing:
+                group.finalize(b, t)
         if c.any_voting:
             c.queries.append((self, query[:, :, -1]))
             if self.idx == len(c.layers) - 1:
@@ -135,34 +140,6 @@ class ThoughtLayer(DenseLayer):
             query, self.keys, self.values, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != self.kv_heads)
         return out.transpose(1, 2).contiguous()
 
-    def _row_slots(self, b: int, start: int, end: int) -> torch.Tensor:
-        p = self.positions[b]
-        return ((p >= start) & (p < end)).nonzero().squeeze(-1)  # buffer slots of positions [start, end)
-
-    def _finalize(self, b: int, t: int):
-        """Thought t of row b just ended (all its tokens are in the tail): summary, index key, detail off-device."""
-        c, row = self.cache, self.cache.rows[b]
-        start, end = row.thoughts[t]
-        slots = self._row_slots(b, start, end)
-        if row.spans[t] is not None:
-            keep = self._row_slots(b, *row.spans[t])
-        else:
-            first = row.keep[0][0]  # the row's first real token: its left padding is no reference for novelty
-            p = self.positions[b]
-            before = ((p >= first) & (p < start)).nonzero().squeeze(-1)
-            keep = pick_summary(self.keys[b], p, slots, before, c.config.summary_tokens, c.config.summary_pick,
-                                self.rope)
-        self.summary_pos[b].append(self.positions[b, keep])
-        if c.config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
-            content = unrotate(self.keys[b].index_select(1, keep), self.positions[b, keep], self.rope)  # (Hkv, r, d)
-            self.index[b].append(content.mean(1))  # (Hkv, d)
-            self.index_bytes += tensor_bytes(self.index[b][-1])
-            self.stacked = None
-        if self.detail_store is not None:
-            self.detail[b].append(self.detail_store.store(self.keys[b].index_select(1, slots),
-                                                            self.values[b].index_select(1, slots)))
-            self.host_bytes += part_bytes(self.detail[b][-1])
-
     def _load(self, b: int, t: int):
         """Thought t of row b back on the device: (K, V) each (Hkv, n, d)."""
         return self.detail_store.load(self.detail[b][t], self.device, self.dtype)
@@ -177,69 +154,144 @@ class ThoughtLayer(DenseLayer):
         ends = torch.tensor([e + [0] * (valid.shape[1] - len(e)) for e in ends], device=valid.device)
         return valid & (ends > cut)
 
-    def _rebuild(self, cut: int = 0):
+def padded_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask (L, W) -> the columns that are True in each row, ascending, (L, n) with n the most of any row, a shorter
+    row padded in front with columns that are not; and which entries are real (L, n)."""
+    n = int(mask.sum(1).max()) if mask.numel() else 0
+    cols = torch.sort(mask.to(torch.uint8), dim=1, stable=True).indices[:, mask.shape[1] - n :]
+    return cols, mask.gather(1, cols)
+
+
+class LayerGroup:
+    """Layers whose active buffers keep their tokens in the same slots, rebuilt and finalized together: every
+    full-attention layer of a model (a sliding-window layer is a group of its own, as what it drops depends on its
+    window). Their buffers hold the same tokens except which of a thought's tokens each layer's summary kept, never
+    how many, so a row's rebuild and a thought's end are planned once for the whole group (one mask, one set of
+    slots, one sort) and each layer only gathers and writes its own tensors: 30 layers cost one plan, not 30."""
+
+    def __init__(self, cache: "ThoughtCache", layers: list[ThoughtLayer]):
+        self.cache, self.layers = cache, layers
+        self.summary_pos: list[list[torch.Tensor]] = []  # per row, per thought: (L, r) positions each layer keeps
+        for layer in layers:
+            layer.group = self
+
+    def rebuild(self, q: int, cut: int = 0):
         """Rebuild the active context of the rows whose zoom set or tail moved (`cache.rebuilding`), in place: each
         such row is gathered anew (zoomed thoughts' detail loaded back) and written right-aligned into the buffer,
-        empty slots in front (position -1); every other row is left as it is. The buffer widens only when a row
-        needs more slots than it has and loses the columns that are empty in every row. Positions before `cut` (what
-        a sliding-window layer's queries can no longer see) are left out."""
-        c = self.cache
+        empty slots in front (position -1); every other row is left as it is. Called when the group's first layer
+        attends: it holds this forward's q new tokens already, the others not yet, so the rebuild covers the
+        columns all of them hold and the new tokens stay last (every rebuilt row keeps them: they are its tail). The
+        buffer widens only when a row needs more slots than it has and loses the columns that are empty in every
+        row. Positions before `cut` (what a sliding-window layer's queries can no longer see) are left out."""
+        c, layers = self.cache, self.layers
         if cut:
-            self.positions = self.positions.masked_fill(self.positions < cut, -1)
-        rows = {b: self._row_context(b, cut) for b in sorted(c.rebuilding)}
-        need = max((p.numel() for _, _, p in rows.values()), default=0)
-        width = self.keys.shape[2]
-        if need > width:  # widen on the left: older slots are further left in every row
-            grow = need - width
-            self.keys = torch.cat([self.keys.new_zeros(self.batch, self.kv_heads, grow, self.head_dim), self.keys], 2)
-            self.values = torch.cat([self.values.new_zeros(self.batch, self.kv_heads, grow, self.head_dim),
-                                     self.values], 2)
-            self.positions = torch.cat([self.positions.new_full((self.batch, grow), -1), self.positions], 1)
+            for layer in layers:
+                layer.positions = layer.positions.masked_fill(layer.positions < cut, -1)
+        width = layers[0].keys.shape[2] - q  # the columns every layer of the group holds
+        held = torch.stack([layer.positions[:, :width] for layer in layers])  # (L, B, W)
+        plans = {b: self._row_plan(b, held[:, b], cut) for b in sorted(c.rebuilding)}
+        need = max((plan[-1].shape[1] for plan in plans.values()), default=0)
+        shift = max(need - width, 0)
+        if shift:  # widen on the left: older slots are further left in every row
+            for layer in layers:
+                b, h, _, d = layer.keys.shape
+                layer.keys = torch.cat([layer.keys.new_zeros(b, h, shift, d), layer.keys], 2)
+                layer.values = torch.cat([layer.values.new_zeros(b, h, shift, d), layer.values], 2)
+                layer.positions = torch.cat([layer.positions.new_full((b, shift), -1), layer.positions], 1)
             width = need
-        for b, (k, v, p) in rows.items():
-            n = p.numel()
-            self.keys[b, :, width - n :], self.values[b, :, width - n :] = k, v
-            self.positions[b, width - n :] = p
-            self.positions[b, : width - n] = -1
-        empty = (self.positions < 0).all(0)  # (S,) columns no row uses; rows are right-aligned, so they lead
+        for b, (slots, loads, order, pos) in plans.items():
+            n = pos.shape[1]
+            for i, layer in enumerate(layers):
+                k, v = layer.keys[b].index_select(1, slots[i] + shift), layer.values[b].index_select(1, slots[i] + shift)
+                if loads:
+                    parts = [(hk.index_select(1, idx[i]), hv.index_select(1, idx[i]))
+                             for idx, (hk, hv) in ((idx, layer._load(b, t)) for t, idx in loads)]
+                    k = torch.cat([k] + [pk for pk, _ in parts], 1).index_select(1, order[i])
+                    v = torch.cat([v] + [pv for _, pv in parts], 1).index_select(1, order[i])
+                layer.keys[b, :, width - n : width], layer.values[b, :, width - n : width] = k, v
+                layer.positions[b, width - n : width] = pos[i]
+                layer.positions[b, : width - n] = -1
+        # columns no row of any layer uses lead (rows are right-aligned)
+        empty = torch.stack([layer.positions[:, :width] < 0 for layer in layers]).flatten(0, 1).all(0)
         drop = int(empty.long().cumprod(0).sum())
-        if drop:
-            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
-            self.positions = self.positions[:, drop:]
-        self.version = c.version
+        for layer in layers:
+            if drop:
+                layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
+                layer.positions = layer.positions[:, drop:]
+            layer.version = c.version
 
-    def _row_context(self, b: int, cut: int):
-        """Row b's active context (K, V (Hkv, n, d), positions (n,)), sorted by position: the kept prompt, the tail,
-        every summary and the zoomed thoughts, those not in the buffer loaded back from the detail tier. A thought
-        that was zoomed at this row's last gather is whole in the buffer still; only newly zoomed ones are loaded."""
+    def _row_plan(self, b: int, held: torch.Tensor, cut: int):
+        """Row b's new active context in every layer, from its buffer positions held (L, W): the buffer slots to
+        keep (L, n), the newly zoomed thoughts to load [(thought, offsets into it (L, m))], the order that sorts kept
+        and loaded tokens by position (L, n + sum m) (None when nothing is loaded) and the sorted positions, -1 for
+        an empty slot. Kept: the prompt, the tail, every summary and the zoomed thoughts. A thought that was zoomed
+        at this row's last gather is whole in the buffer still; only newly zoomed ones are loaded. Layers may keep
+        a few tokens more or fewer (a summary token inside the tail counts once): the shorter are padded in front."""
         c, row = self.cache, self.cache.rows[b]
-        p = self.positions[b]
-        wanted = torch.zeros(self.seen, dtype=torch.bool, device=self.device)
-        for s, e in row.keep + [(c.tail_start[b], self.seen)] + [row.thoughts[t] for t in row.zoom]:
-            wanted[s:e] = True
+        layers = held.shape[0]
+        wanted = torch.zeros(layers, c.seen + 1, dtype=torch.bool, device=held.device)  # last column: empty slots
+        for s, e in row.keep + [(c.tail_start[b], c.seen)] + [row.thoughts[t] for t in row.zoom]:
+            wanted[:, s:e] = True
         if self.summary_pos[b]:
-            wanted[torch.cat(self.summary_pos[b])] = True
+            wanted.scatter_(1, torch.cat(self.summary_pos[b], 1), True)
         if cut:
-            wanted[:cut] = False
-        live = p >= 0
-        slots = (live & wanted[p.clamp(min=0)]).nonzero().squeeze(-1)
-        # index_select: 4x faster than the same gather written k[:, slots] (CPU, 300 slots)
-        ks, vs, ps = [self.keys[b].index_select(1, slots)], [self.values[b].index_select(1, slots)], [p[slots]]
-        new = [t for t in row.zoom if t not in self.zoomed[b]]
-        self.zoomed[b] = set(row.zoom)
-        if not new:
-            return ks[0], vs[0], ps[0]
-        missing = wanted.clone()
-        missing[p[live]] = False
-        for t in new:
-            s, e = row.thoughts[t]
-            need = missing[s:e].nonzero().squeeze(-1)
-            if need.numel():
-                hk, hv = self._load(b, t)
-                ks.append(hk.index_select(1, need)), vs.append(hv.index_select(1, need)), ps.append(need + s)
-        pos = torch.cat(ps)
-        order = pos.argsort()
-        return torch.cat(ks, 1).index_select(1, order), torch.cat(vs, 1).index_select(1, order), pos[order]
+            wanted[:, :cut] = False
+        at = torch.where(held >= 0, held, c.seen)  # empty slots read the last, never wanted, column
+        slots, real = padded_true(wanted.gather(1, at))
+        pos = held.gather(1, slots).masked_fill(~real, -1)
+        loads = []
+        if c.loading.get(b):
+            missing = wanted.scatter(1, at, False)  # wanted and not in the buffer
+            for t in c.loading[b]:
+                s, e = row.thoughts[t]
+                idx, real = padded_true(missing[:, s:e])
+                if idx.shape[1]:
+                    loads.append((t, idx))
+                    pos = torch.cat([pos, (idx + s).masked_fill(~real, -1)], 1)
+        if not loads:
+            return slots, loads, None, pos
+        order = pos.argsort(dim=1, stable=True)  # empty slots (-1) first
+        return slots, loads, order, pos.gather(1, order)
+
+    def finalize(self, b: int, t: int):
+        """Thought t of row b just ended (all its tokens are in the tail, in every layer of the group): each layer's
+        summary and index key, and the detail off the device."""
+        c, row, layers = self.cache, self.cache.rows[b], self.layers
+        start, end = row.thoughts[t]
+        p = layers[0].positions[b]  # rows are right-aligned: the thought and all after it sit in the same slots in
+        slots = ((p >= start) & (p < end)).nonzero().squeeze(-1)  # every layer (what is before it may not)
+        if row.spans[t] is not None:  # generated: the span the model wrote, the same tokens in every layer
+            sel = ((p >= row.spans[t][0]) & (p < row.spans[t][1])).nonzero().squeeze(-1)
+            keep = torch.arange(sel.numel(), device=p.device).expand(len(layers), -1)
+        else:  # pooled: each layer picks among the thought's tokens, against the real tokens before it
+            novel = c.config.summary_pick == "novel"
+            before = torch.arange(int(slots[0]) if novel else 0, device=p.device)  # each layer's, with padding
+            sel = torch.cat([before, slots])
+        keys = torch.stack([layer.keys[b].index_select(1, sel) for layer in layers])  # (L, Hkv, R + n, d)
+        pos = torch.stack([layer.positions[b].index_select(0, sel) for layer in layers])  # (L, R + n)
+        if row.spans[t] is None:
+            r = before.numel()
+            own = torch.arange(r, sel.numel(), device=p.device)
+            first = row.keep[0][0]  # the row's first real token: its left padding is no reference for novelty
+            keep = pick_summary(keys, pos, own, before, c.config.summary_tokens, c.config.summary_pick,
+                                layers[0].rope, pos[:, :r] >= first)  # (L, r) offsets into sel
+        kept = pos.gather(1, keep)  # (L, r)
+        self.summary_pos[b].append(kept)
+        for i, layer in enumerate(layers):
+            layer.summary_pos[b].append(kept[i])
+        if c.config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
+            picked = keys.gather(2, keep[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1]))
+            index = unrotate(picked, kept[:, None, :], layers[0].rope).mean(2)  # (L, Hkv, d)
+            for i, layer in enumerate(layers):
+                layer.index[b].append(index[i])
+                layer.index_bytes += tensor_bytes(index[i])
+                layer.stacked = None
+        if layers[0].detail_store is not None:
+            k = torch.stack([layer.keys[b].index_select(1, slots) for layer in layers])  # (L, Hkv, n, d)
+            v = torch.stack([layer.values[b].index_select(1, slots) for layer in layers])
+            for layer, stored in zip(layers, store_layers([layer.detail_store for layer in layers], k, v)):
+                layer.detail[b].append(stored)
+                layer.host_bytes += part_bytes(stored)
 
 
 class ThoughtCache(KVCache):
@@ -260,7 +312,16 @@ class ThoughtCache(KVCache):
         self.last_zoom: list[list[int]] = []
         self.queries: list = []  # (layer, its last query (B, Hq, d)) of the current forward, for cast_votes
         self.index_keys = None  # every layer's stacked index keys (L, B, Hkv, T, d); layers hold views of it
-        super().__init__([ThoughtLayer(self, i, ropes[i], windows[i]) for i in range(len(windows))], method)
+        self.zoomed: list[set[int]] = []  # per row, the zoom set its buffers were last gathered for
+        self.loading: dict[int, list[int]] = {}  # rows rebuilt in this forward -> the thoughts they load back
+        layers = [ThoughtLayer(self, i, ropes[i], windows[i]) for i in range(len(windows))]
+        super().__init__(layers, method)
+        full: dict[int, list[ThoughtLayer]] = {}  # full-attention layers by their RoPE (one group on every model here)
+        for layer in layers:
+            if layer.sliding is None:
+                full.setdefault(id(layer.rope), []).append(layer)
+        self.groups = [LayerGroup(self, group) for group in full.values()]
+        self.groups += [LayerGroup(self, [layer]) for layer in layers if layer.sliding is not None]
 
     def on_step(self, token_ids, texts):
         """The token about to be fed (position self.seen) may end a thought and/or be a selection point."""
@@ -285,6 +346,7 @@ class ThoughtCache(KVCache):
             self.voting = torch.zeros(batch, dtype=torch.bool, device=device)
             self.next_voting = torch.zeros_like(self.voting)
             self.last_zoom = [[] for _ in range(batch)]
+            self.zoomed = [set() for _ in range(batch)]
         elif q_len > 1:  # more input (a chat turn): the open thought ends, the new tokens are kept in full
             for b, row in enumerate(self.rows):
                 if row.take_input(past, q_len):
@@ -305,8 +367,12 @@ class ThoughtCache(KVCache):
             self.version += 1
             self.rebuilds += 1
             self.rebuilding = set(moved)
+            self.loading = {}
             for b in moved:
                 self.tail_start[b] = self.rows[b].tail_from = need[b]
+                zoom = self.rows[b].zoom
+                self.loading[b] = [t for t in zoom if t not in self.zoomed[b]]
+                self.zoomed[b] = set(zoom)
         self.finishing, self.next_finishing = self.next_finishing, []
         self.voting, self.next_voting = self.next_voting, torch.zeros_like(self.next_voting)
         self.any_voting, self.next_any = self.next_any, False
