@@ -83,7 +83,7 @@ class ThoughtLayer(DenseLayer):
         self.stacked = None  # centred index keys (B, Hkv, T, d) and valid (B, T), built when first needed
         self.host_bytes = 0
         if self is self.group.layers[0]:
-            self.group.summary_pos = [[] for _ in range(self.batch)]
+            self.group.reset(self.batch)
 
     def attend(self, module, query, key, value, mask, scaling):
         c, group = self.cache, self.group
@@ -154,6 +154,12 @@ class ThoughtLayer(DenseLayer):
         ends = torch.tensor([e + [0] * (valid.shape[1] - len(e)) for e in ends], device=valid.device)
         return valid & (ends > cut)
 
+def take_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (L, Hkv, S, d), index (L, n) -> (L, Hkv, n, d): each layer's own n tokens, every head. Written as an
+    index, not a gather: 4.5x faster on CPU (30 layers, 1,400 of 1,500 tokens: 3.2 against 14.4 ms)."""
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], :, index].transpose(1, 2)
+
+
 def padded_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """mask (L, W) -> the columns that are True in each row, ascending, (L, n) with n the most of any row, a shorter
     row padded in front with columns that are not; and which entries are real (L, n)."""
@@ -165,15 +171,66 @@ def padded_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class LayerGroup:
     """Layers whose active buffers keep their tokens in the same slots, rebuilt and finalized together: every
     full-attention layer of a model (a sliding-window layer is a group of its own, as what it drops depends on its
-    window). Their buffers hold the same tokens except which of a thought's tokens each layer's summary kept, never
-    how many, so a row's rebuild and a thought's end are planned once for the whole group (one mask, one set of
-    slots, one sort) and each layer only gathers and writes its own tensors: 30 layers cost one plan, not 30."""
+    window). Their buffers hold the same tokens except which of a thought's tokens each layer's summary kept, so a
+    row's rebuild and a thought's end are planned once for the whole group (one mask, one set of slots, one sort)
+    and carried out on one stacked tensor: the layers' keys, values and positions are views, at the same columns,
+    of the group's rooms (L, B, Hkv, R, d) and (L, B, R). A layer still appends its own tokens into the spare
+    columns (DenseLayer.extend); when one of them had to move to new room, the next group operation stacks the
+    layers anew (`_stack`). 30 layers cost one plan and a few tensor operations per row, not 30 times as many."""
+
+    NAMES = ("keys", "values", "positions")
 
     def __init__(self, cache: "ThoughtCache", layers: list[ThoughtLayer]):
         self.cache, self.layers = cache, layers
+        self.rooms: dict[str, torch.Tensor] = {}  # name -> the stacked room the layers' views are in
         self.summary_pos: list[list[torch.Tensor]] = []  # per row, per thought: (L, r) positions each layer keeps
+        self.detail: list[list] = []  # per row, per thought: the stored thought of every layer at once (or None)
         for layer in layers:
             layer.group = self
+
+    def reset(self, batch: int):
+        self.rooms, self.summary_pos, self.detail = {}, [[] for _ in range(batch)], [[] for _ in range(batch)]
+
+    def _stack(self, width: int, q: int, grow: int = 0) -> tuple[dict[str, torch.Tensor], int]:
+        """The group's stacked views of the `width` columns every layer holds, (L, B, Hkv, W, d) and (L, B, W), and
+        where they start in the rooms. The first layer may hold q more columns (this forward's tokens, appended
+        before the others). When a layer's views are not in the rooms (after the prefill, or when one outgrew its
+        spare columns), or `grow` empty columns are wanted in front, the layers are copied into new rooms."""
+        first = self.layers[0]
+        start = first.appended["keys"][1] if "keys" in first.appended else -1
+        stacked = bool(self.rooms) and not grow and all(
+            layer.room.get(name) is self.views[name][i] and name in layer.appended
+            and layer.appended[name][0] is getattr(layer, name) and layer.appended[name][1] == start
+            for i, layer in enumerate(self.layers) for name in self.NAMES)
+        if not stacked:
+            spare = max(DenseLayer.SPARE, width // 16)
+            self.rooms = {}
+            for name in self.NAMES:
+                like = getattr(first, name)
+                axis = DenseLayer._token_axis(like)
+                shape = [len(self.layers)] + list(like.shape)
+                shape[axis + 1] = grow + width + q + spare
+                room = like.new_full(shape, -1) if name == "positions" else like.new_zeros(shape)
+                for i, layer in enumerate(self.layers):
+                    held = getattr(layer, name)
+                    room[i].narrow(axis, grow, held.shape[axis]).copy_(held)
+                self.rooms[name] = room
+            self.views = {name: list(room.unbind(0)) for name, room in self.rooms.items()}
+            start, width = 0, grow + width
+            self._set_views(start, width, q)
+        return {name: room.narrow(room.dim() - (2 if name != "positions" else 1), start, width)
+                for name, room in self.rooms.items()}, start
+
+    def _set_views(self, start: int, width: int, q: int):
+        """Point every layer's keys, values and positions at columns [start, start + width) of the rooms, the first
+        layer's at q more; extend appends after them."""
+        for i, layer in enumerate(self.layers):
+            n = width + (q if i == 0 else 0)
+            for name in self.NAMES:
+                room = self.views[name][i]
+                view = room.narrow(DenseLayer._token_axis(room), start, n)
+                setattr(layer, name, view)
+                layer.room[name], layer.appended[name] = room, (view, start)
 
     def rebuild(self, q: int, cut: int = 0):
         """Rebuild the active context of the rows whose zoom set or tail moved (`cache.rebuilding`), in place: each
@@ -184,40 +241,33 @@ class LayerGroup:
         buffer widens only when a row needs more slots than it has and loses the columns that are empty in every
         row. Positions before `cut` (what a sliding-window layer's queries can no longer see) are left out."""
         c, layers = self.cache, self.layers
-        if cut:
-            for layer in layers:
-                layer.positions = layer.positions.masked_fill(layer.positions < cut, -1)
         width = layers[0].keys.shape[2] - q  # the columns every layer of the group holds
-        held = torch.stack([layer.positions[:, :width] for layer in layers])  # (L, B, W)
-        plans = {b: self._row_plan(b, held[:, b], cut) for b in sorted(c.rebuilding)}
+        held, start = self._stack(width, q)
+        if cut:
+            held["positions"].masked_fill_(held["positions"] < cut, -1)
+            new = layers[0].positions[:, width:]
+            new.masked_fill_(new < cut, -1)
+        plans = {b: self._row_plan(b, held["positions"][:, b], cut) for b in sorted(c.rebuilding)}
         need = max((plan[-1].shape[1] for plan in plans.values()), default=0)
         shift = max(need - width, 0)
         if shift:  # widen on the left: older slots are further left in every row
-            for layer in layers:
-                b, h, _, d = layer.keys.shape
-                layer.keys = torch.cat([layer.keys.new_zeros(b, h, shift, d), layer.keys], 2)
-                layer.values = torch.cat([layer.values.new_zeros(b, h, shift, d), layer.values], 2)
-                layer.positions = torch.cat([layer.positions.new_full((b, shift), -1), layer.positions], 1)
+            held, start = self._stack(width, q, grow=shift)
             width = need
+        keys, values, positions = held["keys"], held["values"], held["positions"]
         for b, (slots, loads, order, pos) in plans.items():
             n = pos.shape[1]
-            for i, layer in enumerate(layers):
-                k, v = layer.keys[b].index_select(1, slots[i] + shift), layer.values[b].index_select(1, slots[i] + shift)
-                if loads:
-                    parts = [(hk.index_select(1, idx[i]), hv.index_select(1, idx[i]))
-                             for idx, (hk, hv) in ((idx, layer._load(b, t)) for t, idx in loads)]
-                    k = torch.cat([k] + [pk for pk, _ in parts], 1).index_select(1, order[i])
-                    v = torch.cat([v] + [pv for _, pv in parts], 1).index_select(1, order[i])
-                layer.keys[b, :, width - n : width], layer.values[b, :, width - n : width] = k, v
-                layer.positions[b, width - n : width] = pos[i]
-                layer.positions[b, : width - n] = -1
+            k, v = (take_tokens(x[:, b], slots + shift) for x in (keys, values))  # (L, Hkv, n, d)
+            if loads:
+                parts = [[take_tokens(x, idx) for x in self.load(b, t)] for t, idx in loads]
+                k = take_tokens(torch.cat([k] + [pk for pk, _ in parts], 2), order)
+                v = take_tokens(torch.cat([v] + [pv for _, pv in parts], 2), order)
+            keys[:, b, :, width - n :], values[:, b, :, width - n :] = k, v
+            positions[:, b, width - n :] = pos
+            positions[:, b, : width - n] = -1
         # columns no row of any layer uses lead (rows are right-aligned)
-        empty = torch.stack([layer.positions[:, :width] < 0 for layer in layers]).flatten(0, 1).all(0)
-        drop = int(empty.long().cumprod(0).sum())
+        drop = int((positions < 0).flatten(0, 1).all(0).long().cumprod(0).sum())
+        self._set_views(start + drop, width - drop, q)
         for layer in layers:
-            if drop:
-                layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
-                layer.positions = layer.positions[:, drop:]
             layer.version = c.version
 
     def _row_plan(self, b: int, held: torch.Tensor, cut: int):
@@ -253,13 +303,23 @@ class LayerGroup:
         order = pos.argsort(dim=1, stable=True)  # empty slots (-1) first
         return slots, loads, order, pos.gather(1, order)
 
+    def load(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Thought t of row b back on the device, every layer: K, V (L, Hkv, n, d)."""
+        first = self.layers[0]
+        if self.detail[b][t] is not None:
+            return first.detail_store.load(self.detail[b][t], first.device, first.dtype)
+        k, v = zip(*(layer._load(b, t) for layer in self.layers))
+        return torch.stack(k), torch.stack(v)
+
     def finalize(self, b: int, t: int):
         """Thought t of row b just ended (all its tokens are in the tail, in every layer of the group): each layer's
         summary and index key, and the detail off the device."""
         c, row, layers = self.cache, self.cache.rows[b], self.layers
+        held, _ = self._stack(layers[0].keys.shape[2], 0)
+        keys, values, positions = held["keys"][:, b], held["values"][:, b], held["positions"][:, b]
         start, end = row.thoughts[t]
-        p = layers[0].positions[b]  # rows are right-aligned: the thought and all after it sit in the same slots in
-        slots = ((p >= start) & (p < end)).nonzero().squeeze(-1)  # every layer (what is before it may not)
+        p = positions[0]  # rows are right-aligned: the thought and all after it sit in the same slots in every layer
+        slots = ((p >= start) & (p < end)).nonzero().squeeze(-1)  # (what is before it may not)
         if row.spans[t] is not None:  # generated: the span the model wrote, the same tokens in every layer
             sel = ((p >= row.spans[t][0]) & (p < row.spans[t][1])).nonzero().squeeze(-1)
             keep = torch.arange(sel.numel(), device=p.device).expand(len(layers), -1)
@@ -267,31 +327,30 @@ class LayerGroup:
             novel = c.config.summary_pick == "novel"
             before = torch.arange(int(slots[0]) if novel else 0, device=p.device)  # each layer's, with padding
             sel = torch.cat([before, slots])
-        keys = torch.stack([layer.keys[b].index_select(1, sel) for layer in layers])  # (L, Hkv, R + n, d)
-        pos = torch.stack([layer.positions[b].index_select(0, sel) for layer in layers])  # (L, R + n)
+        k, pos = keys.index_select(2, sel), positions.index_select(1, sel)  # (L, Hkv, R + n, d), (L, R + n)
         if row.spans[t] is None:
             r = before.numel()
             own = torch.arange(r, sel.numel(), device=p.device)
             first = row.keep[0][0]  # the row's first real token: its left padding is no reference for novelty
-            keep = pick_summary(keys, pos, own, before, c.config.summary_tokens, c.config.summary_pick,
+            keep = pick_summary(k, pos, own, before, c.config.summary_tokens, c.config.summary_pick,
                                 layers[0].rope, pos[:, :r] >= first)  # (L, r) offsets into sel
         kept = pos.gather(1, keep)  # (L, r)
         self.summary_pos[b].append(kept)
         for i, layer in enumerate(layers):
             layer.summary_pos[b].append(kept[i])
         if c.config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
-            picked = keys.gather(2, keep[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1]))
-            index = unrotate(picked, kept[:, None, :], layers[0].rope).mean(2)  # (L, Hkv, d)
+            index = unrotate(take_tokens(k, keep), kept[:, None, :], layers[0].rope).mean(2)  # (L, Hkv, d)
             for i, layer in enumerate(layers):
                 layer.index[b].append(index[i])
                 layer.index_bytes += tensor_bytes(index[i])
                 layer.stacked = None
         if layers[0].detail_store is not None:
-            k = torch.stack([layer.keys[b].index_select(1, slots) for layer in layers])  # (L, Hkv, n, d)
-            v = torch.stack([layer.values[b].index_select(1, slots) for layer in layers])
-            for layer, stored in zip(layers, store_layers([layer.detail_store for layer in layers], k, v)):
-                layer.detail[b].append(stored)
-                layer.host_bytes += part_bytes(stored)
+            stored, each = store_layers([layer.detail_store for layer in layers], keys.index_select(2, slots),
+                                        values.index_select(2, slots))
+            self.detail[b].append(stored if len(layers) > 1 else None)
+            for layer, part in zip(layers, each):
+                layer.detail[b].append(part)
+                layer.host_bytes += part_bytes(part)
 
 
 class ThoughtCache(KVCache):
