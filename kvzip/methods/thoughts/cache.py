@@ -113,11 +113,11 @@ class ThoughtLayer(DenseLayer):
         return {"device": device, "host": self.host_bytes}
 
     def _slide(self):
-        """Sliding-window layer, after attending: drop what the next query cannot see (the buffer's oldest slots:
-        each row is sorted with its padding in front) and the detail of thoughts that have left the window."""
+        """Sliding-window layer, after attending: drop what the next query cannot see (its slots become empty, and
+        the leading columns empty in every row go) and the detail of thoughts that have left the window."""
         cut = visible_from(self.seen, self.sliding)
         self.positions = self.positions.masked_fill(self.positions < cut, -1)
-        drop = int((self.positions < 0).sum(1).min())
+        drop = int((self.positions < 0).all(0).long().cumprod(0).sum())
         if drop:
             self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
             self.positions = self.positions[:, drop:]
@@ -233,13 +233,16 @@ class LayerGroup:
                 layer.room[name], layer.appended[name] = room, (view, start)
 
     def rebuild(self, q: int, cut: int = 0):
-        """Rebuild the active context of the rows whose zoom set or tail moved (`cache.rebuilding`), in place: each
-        such row is gathered anew (zoomed thoughts' detail loaded back) and written right-aligned into the buffer,
-        empty slots in front (position -1); every other row is left as it is. Called when the group's first layer
-        attends: it holds this forward's q new tokens already, the others not yet, so the rebuild covers the
-        columns all of them hold and the new tokens stay last (every rebuilt row keeps them: they are its tail). The
-        buffer widens only when a row needs more slots than it has and loses the columns that are empty in every
-        row. Positions before `cut` (what a sliding-window layer's queries can no longer see) are left out."""
+        """Rebuild the active context of the rows whose zoom set or tail moved (`cache.rebuilding`), in place. A row
+        is patched where it can be: what it no longer keeps becomes an empty slot (position -1) and the newly zoomed
+        thoughts' detail is loaded into empty slots, nothing else moves; attention does not care about slot order.
+        A row whose patch would leave more than a quarter window of empty slots inside it, or that has too few,
+        is compacted instead: gathered anew, sorted by position, right-aligned with the empty slots in front. Every
+        other row is left as it is. Called when the group's first layer attends: it holds this forward's q new
+        tokens already, the others not yet, so the rebuild covers the columns all of them hold and the new tokens
+        stay last (every rebuilt row keeps them: they are its tail). The buffer widens only when a compacted row
+        needs more slots than it has and loses the leading columns that are empty in every row. Positions before
+        `cut` (what a sliding-window layer's queries can no longer see) are left out."""
         c, layers = self.cache, self.layers
         width = layers[0].keys.shape[2] - q  # the columns every layer of the group holds
         held, start = self._stack(width, q)
@@ -248,37 +251,46 @@ class LayerGroup:
             new = layers[0].positions[:, width:]
             new.masked_fill_(new < cut, -1)
         plans = {b: self._row_plan(b, held["positions"][:, b], cut) for b in sorted(c.rebuilding)}
-        need = max((plan[-1].shape[1] for plan in plans.values()), default=0)
+        need = max((plan[-1].shape[1] for plan in plans.values() if plan[0] == "compact"), default=0)
         shift = max(need - width, 0)
         if shift:  # widen on the left: older slots are further left in every row
             held, start = self._stack(width, q, grow=shift)
             width = need
         keys, values, positions = held["keys"], held["values"], held["positions"]
-        for b, (slots, loads, order, pos) in plans.items():
+        every = torch.arange(len(layers), device=positions.device)[:, None]
+        for b, (how, slots, loads, order, pos) in plans.items():
+            loaded = [[take_tokens(x, idx) for x in self.load(b, t)] for t, idx in loads]
+            if how == "patch":  # slots: what the row keeps (L, W); order: where the loaded tokens go (L, m)
+                positions[:, b, shift:].masked_fill_(~slots, -1)
+                if loads:
+                    dest = order + shift
+                    keys[:, b][every, :, dest] = torch.cat([pk for pk, _ in loaded], 2).transpose(1, 2)
+                    values[:, b][every, :, dest] = torch.cat([pv for _, pv in loaded], 2).transpose(1, 2)
+                    positions[:, b].scatter_(1, dest, pos)
+                continue
             n = pos.shape[1]
             k, v = (take_tokens(x[:, b], slots + shift) for x in (keys, values))  # (L, Hkv, n, d)
-            if loads:
-                parts = [[take_tokens(x, idx) for x in self.load(b, t)] for t, idx in loads]
-                k = take_tokens(torch.cat([k] + [pk for pk, _ in parts], 2), order)
-                v = take_tokens(torch.cat([v] + [pv for _, pv in parts], 2), order)
+            k = take_tokens(torch.cat([k] + [pk for pk, _ in loaded], 2), order)
+            v = take_tokens(torch.cat([v] + [pv for _, pv in loaded], 2), order)
             keys[:, b, :, width - n :], values[:, b, :, width - n :] = k, v
             positions[:, b, width - n :] = pos
             positions[:, b, : width - n] = -1
-        # columns no row of any layer uses lead (rows are right-aligned)
+        # columns no row of any layer uses, in front
         drop = int((positions < 0).flatten(0, 1).all(0).long().cumprod(0).sum())
         self._set_views(start + drop, width - drop, q)
         for layer in layers:
             layer.version = c.version
 
     def _row_plan(self, b: int, held: torch.Tensor, cut: int):
-        """Row b's new active context in every layer, from its buffer positions held (L, W): the buffer slots to
-        keep (L, n), the newly zoomed thoughts to load [(thought, offsets into it (L, m))], the order that sorts kept
-        and loaded tokens by position (L, n + sum m) (None when nothing is loaded) and the sorted positions, -1 for
-        an empty slot. Kept: the prompt, the tail, every summary and the zoomed thoughts. A thought that was zoomed
-        at this row's last gather is whole in the buffer still; only newly zoomed ones are loaded. Layers may keep
-        a few tokens more or fewer (a summary token inside the tail counts once): the shorter are padded in front."""
+        """How row b's active context is rebuilt in every layer, from its buffer positions held (L, W). Kept: the
+        prompt, the tail, every summary and the zoomed thoughts. A thought that was zoomed at this row's last
+        rebuild is whole in the buffer still; only newly zoomed ones are loaded: loads [(thought, offsets into it
+        (L, m))]. Layers may keep a few tokens more or fewer (a summary token inside the tail counts once); a
+        layer's shorter lists are padded with empty slots. Returns
+        ("patch", kept (L, W), loads, their slots (L, m), their positions (L, m)) or
+        ("compact", slots to keep (L, n), loads, the order that sorts kept and loaded tokens, sorted positions)."""
         c, row = self.cache, self.cache.rows[b]
-        layers = held.shape[0]
+        layers, width = held.shape
         wanted = torch.zeros(layers, c.seen + 1, dtype=torch.bool, device=held.device)  # last column: empty slots
         for s, e in row.keep + [(c.tail_start[b], c.seen)] + [row.thoughts[t] for t in row.zoom]:
             wanted[:, s:e] = True
@@ -287,9 +299,8 @@ class LayerGroup:
         if cut:
             wanted[:, :cut] = False
         at = torch.where(held >= 0, held, c.seen)  # empty slots read the last, never wanted, column
-        slots, real = padded_true(wanted.gather(1, at))
-        pos = held.gather(1, slots).masked_fill(~real, -1)
-        loads = []
+        kept = wanted.gather(1, at)  # (L, W)
+        loads, new = [], [held[:, :0]]
         if c.loading.get(b):
             missing = wanted.scatter(1, at, False)  # wanted and not in the buffer
             for t in c.loading[b]:
@@ -297,11 +308,22 @@ class LayerGroup:
                 idx, real = padded_true(missing[:, s:e])
                 if idx.shape[1]:
                     loads.append((t, idx))
-                    pos = torch.cat([pos, (idx + s).masked_fill(~real, -1)], 1)
-        if not loads:
-            return slots, loads, None, pos
+                    new.append((idx + s).masked_fill(~real, -1))
+        new = torch.cat(new, 1)  # (L, m) positions of the loaded tokens
+        m = new.shape[1]
+        free, _ = padded_true(~kept)
+        if free.shape[1] >= m and bool((~kept).sum(1).min() >= m):
+            dest = free[:, free.shape[1] - m :]  # the empty slots nearest the tail
+            first = kept.to(torch.uint8).argmax(1)  # each layer's first kept slot
+            if m:
+                first = torch.minimum(first, dest.min(1).values)
+            # at most a quarter window of empty slots inside the row: as much as the tail keeps beyond its window
+            if bool((width - first - kept.sum(1) - m <= c.config.window // 4).all()):
+                return "patch", kept, loads, dest, new
+        slots, real = padded_true(kept)
+        pos = torch.cat([held.gather(1, slots).masked_fill(~real, -1), new], 1)
         order = pos.argsort(dim=1, stable=True)  # empty slots (-1) first
-        return slots, loads, order, pos.gather(1, order)
+        return "compact", slots, loads, order, pos.gather(1, order)
 
     def load(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Thought t of row b back on the device, every layer: K, V (L, Hkv, n, d)."""
