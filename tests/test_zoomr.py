@@ -181,7 +181,7 @@ def test_active_context_is_prompt_summaries_zoom_and_tail(tiny, tokenizer):
     cache, _, _, peak = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "zoom_thoughts": "1"}), "the prompt", text)
     row = cache.rows[0]
     for layer in cache.layers:
-        active = {p for p in layer.positions[0].tolist() if p >= 0}  # -1: an empty slot
+        active = set(layer.positions[0].tolist())
         expected = set(range(*row.keep[0])) | set(range(cache.tail_start[0], layer.seen))
         expected |= {p for sp in layer.summary_pos[0] for p in sp.tolist()}
         expected |= {p for t in row.zoom for p in range(*row.thoughts[t])}

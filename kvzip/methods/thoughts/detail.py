@@ -35,16 +35,6 @@ def part_bytes(stored) -> int:
     return sum(tensor_bytes(*part) for part in stored)
 
 
-def store_layers(stores: list, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """One thought of L layers, k, v (L, Hkv, n, d), each layer with its store -> (the thought stored for all layers
-    at once, or None; each layer's stored thought). Layers that share one store (host, int8) are stored in one call,
-    and each layer keeps views of it; layers with their own (fadkv's dictionaries) each store their own."""
-    if all(store is stores[0] for store in stores):
-        stacked = stores[0].store(k, v)
-        return stacked, [tuple(tuple(x[i] for x in part) for part in stacked) for i in range(k.shape[0])]
-    return None, [store.store(k[i], v[i]) for i, store in enumerate(stores)]
-
-
 class DenseDetail:
     """detail=host: dense copies in the compute dtype."""
 

@@ -21,32 +21,26 @@ SUMMARY_SOURCES = ("pooled", "generated")
 SUMMARY_PICKS = ("norm", "novel")
 
 
-def novelty(mine: torch.Tensor, seen: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Content keys of the thought's tokens (..., Hkv, n, d) against those before it (..., Hkv, R, d) -> novelty
-    (..., n); a leading dimension is layers scored together, `valid` (..., R) which of `seen` count (all: None)."""
-    if seen.shape[-2] == 0:
-        return mine.norm(dim=-1).sum(-2)
-    cos = torch.nn.functional.normalize(mine, dim=-1) @ torch.nn.functional.normalize(seen, dim=-1).transpose(-1, -2)
-    if valid is not None:
-        cos = cos.masked_fill(~valid[..., None, None, :], float("-inf"))
-    return (1 - cos.amax(-1)).sum(-2)  # (..., n)
+def novelty(mine: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Content keys of the thought's tokens (Hkv, n, d) against those before it (Hkv, R, d) -> novelty (n,)."""
+    if seen.shape[1] == 0:
+        return mine.norm(dim=-1).sum(0)
+    cos = torch.nn.functional.normalize(mine, dim=-1) @ torch.nn.functional.normalize(seen, dim=-1).transpose(1, 2)
+    return (1 - cos.amax(-1)).sum(0)  # (n,)
 
 
 def pick_summary(keys: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, before: torch.Tensor, count: int,
-                 pick: str, rope=None, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """The buffer slots a pooled summary keeps, in buffer order: `count` (at most) of the thought's `slots` (n,).
+                 pick: str, rope=None) -> torch.Tensor:
+    """The buffer slots a pooled summary keeps, in buffer order: `count` (at most) of the thought's `slots`.
 
-    keys (..., Hkv, S, d) and pos (..., S) are one row's active buffer, a leading dimension being layers that keep
-    their tokens in the same slots (each picks its own); `before` (R,) the slots of the real tokens before the
-    thought (what `novel` compares with), `valid` (..., R) those of them that are real in each layer (all: None);
-    `rope` the layers' Rope, for `novel`. Returns (..., count) slots.
+    keys (Hkv, S, d) and pos (S,) are one row's active buffer; `before` (R,) the slots of the real tokens before
+    the thought (what `novel` compares with); `rope` the layer's Rope, for `novel`.
     """
     count = min(count, slots.numel())
-    mine = keys.index_select(-2, slots)  # (..., Hkv, n, d)
     if pick == "novel":
-        turned = unrotate(mine.float(), pos.index_select(-1, slots).unsqueeze(-2), rope)  # positions per layer
-        seen = unrotate(keys.index_select(-2, before).float(), pos.index_select(-1, before).unsqueeze(-2), rope)
-        score = novelty(turned, seen, valid)
+        mine = unrotate(keys[:, slots].float(), pos[slots], rope)  # (Hkv, n, d)
+        seen = unrotate(keys[:, before].float(), pos[before], rope)  # (Hkv, R, d)
+        score = novelty(mine, seen)
     else:
-        score = mine.norm(dim=-1).sum(-2)
-    return slots[ranked(score)[..., :count].sort().values]
+        score = keys[:, slots].norm(dim=-1).sum(0)
+    return slots[ranked(score)[:count].sort().values]
