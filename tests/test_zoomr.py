@@ -149,9 +149,13 @@ def test_novel_pick_keeps_the_tokens_unlike_the_keys_before_the_thought(tiny):
     assert score[0] < 1e-4 and score[2] < 1e-4 and score[1] > 0.1 and score[3] > 0.1
     pos = torch.arange(8)
     rotated = unrotate(content, -pos, rope)  # turning by -pos is RoPE at pos: the keys as the cache holds them
-    kept = pick_summary(rotated, pos, torch.arange(4, 8), torch.arange(4), 2, "novel", rope)
-    assert kept.tolist() == [5, 7]
-    assert pick_summary(rotated, pos, torch.arange(4, 8), torch.arange(4), 9, "novel", rope).tolist() == [4, 5, 6, 7]
+    mine, before = rotated[None, :, 4:], rotated[None, :, :4]  # one layer
+    for pad in (0, 3):  # the layer's tokens before the thought padded to another layer's count: padding is ignored
+        before_pos = torch.cat([pos[None, :4], torch.full((1, pad), -1)], 1)
+        padded = torch.cat([before, torch.randn(1, 2, pad, 16, generator=g)], 2)
+        pick = lambda n: pick_summary(mine, pos[4:], n, "novel", rope, padded, before_pos, before_pos >= 0)  # noqa: E731
+        assert (pick(2) + 4).tolist() == [[5, 7]]
+        assert (pick(9) + 4).tolist() == [[4, 5, 6, 7]]
 
 
 @pytest.mark.parametrize("decay, expect", [(0.0, [2]), (0.5, [1])])

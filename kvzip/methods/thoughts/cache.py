@@ -28,7 +28,7 @@ import torch
 
 from kvzip.attention import causal_tail, decode_path, gather_mask, grouped_attention, leading_padding
 from kvzip.methods.base import DenseLayer, KVCache, tensor_bytes
-from kvzip.methods.thoughts.detail import part_bytes
+from kvzip.methods.thoughts.detail import part_bytes, store_layers
 from kvzip.methods.thoughts.index import Ballot, head_votes, stack_index
 from kvzip.methods.thoughts.segment import Row, Segmentation
 from kvzip.methods.thoughts.summary import pick_summary
@@ -90,16 +90,10 @@ class ThoughtLayer(DenseLayer):
             self._rebuild(visible_from(self.seen - query.shape[2], self.sliding))
         c.overhead_s += time.perf_counter() - t0
         out = self._attention(query, mask, scaling)
-        t0 = time.perf_counter()
-        for b, t in c.finishing:
-            self._finalize(b, t)
         if c.any_voting:
             c.queries.append((self, query[:, :, -1]))
-            if self.idx == len(c.layers) - 1:
-                c.cast_votes()
-        if self.sliding is not None:
-            self._slide()
-        c.overhead_s += time.perf_counter() - t0
+        if self.idx == len(c.layers) - 1:
+            c.end_forward()
         return out
 
     def memory(self) -> dict[str, int]:
@@ -134,34 +128,6 @@ class ThoughtLayer(DenseLayer):
         out = torch.nn.functional.scaled_dot_product_attention(
             query, self.keys, self.values, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != self.kv_heads)
         return out.transpose(1, 2).contiguous()
-
-    def _row_slots(self, b: int, start: int, end: int) -> torch.Tensor:
-        p = self.positions[b]
-        return ((p >= start) & (p < end)).nonzero().squeeze(-1)  # buffer slots of positions [start, end)
-
-    def _finalize(self, b: int, t: int):
-        """Thought t of row b just ended (all its tokens are in the tail): summary, index key, detail off-device."""
-        c, row = self.cache, self.cache.rows[b]
-        start, end = row.thoughts[t]
-        slots = self._row_slots(b, start, end)
-        if row.spans[t] is not None:
-            keep = self._row_slots(b, *row.spans[t])
-        else:
-            first = row.keep[0][0]  # the row's first real token: its left padding is no reference for novelty
-            p = self.positions[b]
-            before = ((p >= first) & (p < start)).nonzero().squeeze(-1)
-            keep = pick_summary(self.keys[b], p, slots, before, c.config.summary_tokens, c.config.summary_pick,
-                                self.rope)
-        self.summary_pos[b].append(self.positions[b, keep])
-        if c.config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
-            content = unrotate(self.keys[b].index_select(1, keep), self.positions[b, keep], self.rope)  # (Hkv, r, d)
-            self.index[b].append(content.mean(1))  # (Hkv, d)
-            self.index_bytes += tensor_bytes(self.index[b][-1])
-            self.stacked = None
-        if self.detail_store is not None:
-            self.detail[b].append(self.detail_store.store(self.keys[b].index_select(1, slots),
-                                                            self.values[b].index_select(1, slots)))
-            self.host_bytes += part_bytes(self.detail[b][-1])
 
     def _load(self, b: int, t: int):
         """Thought t of row b back on the device: (K, V) each (Hkv, n, d)."""
@@ -248,7 +214,7 @@ class ThoughtCache(KVCache):
     def __init__(self, method, config: ThoughtConfig, ropes: list, windows: list):
         self.config = config
         self.rows: list[Row] = []
-        self.version, self.seen = 0, 0
+        self.version, self.seen, self.q_len = 0, 0, 0
         self.finishing: list[tuple[int, int]] = []  # (row, thought) finalized during the current forward
         self.next_finishing: list[tuple[int, int]] = []
         self.voting = self.next_voting = None  # (B,) bool rows voting in this / the next forward
@@ -290,7 +256,7 @@ class ThoughtCache(KVCache):
                 if row.take_input(past, q_len):
                     self.next_finishing.append((b, len(row.thoughts) - 1))
         changed = self._select()
-        self.seen = past + q_len
+        self.seen, self.q_len = past + q_len, q_len
         # The tail keeps the last `window` tokens, every unfinished thought, and everything not yet finalized.
         window = self.config.window
         need = []
@@ -312,6 +278,71 @@ class ThoughtCache(KVCache):
         self.any_voting, self.next_any = self.next_any, False
         self.steps += q_len == 1
         self.overhead_s += time.perf_counter() - t0
+
+    def end_forward(self):
+        """After the last layer has attended: the thoughts that ended in this forward are finalized in every layer,
+        the votes cast, and sliding-window layers drop what their next query cannot see."""
+        t0 = time.perf_counter()
+        for b, t in self.finishing:
+            self._finalize(b, t)
+        if self.any_voting:
+            self.cast_votes()
+        for layer in self.layers:
+            if layer.sliding is not None:
+                layer._slide()
+        self.overhead_s += time.perf_counter() - t0
+
+    def _finalize(self, b: int, t: int):
+        """Thought t of row b ended in this forward (all its tokens are in the tail): every layer keeps its summary
+        and index key and moves the thought's detail off the device. Rows are sorted and right-aligned and the tail
+        holds every position from its start on, so in each layer the thought is a slice at the end of the row; layers
+        that share a RoPE, a kind of attention and that slice do it in one batched pass. (A sliding-window layer may
+        have dropped the thought's first tokens already: it works on what it still has.)"""
+        start = self.rows[b].thoughts[t][0]
+        groups: dict[tuple, list[ThoughtLayer]] = {}
+        for layer in self.layers:
+            first = max(start, visible_from(self.seen - self.q_len, layer.sliding))
+            groups.setdefault((id(layer.rope), layer.sliding is not None, first), []).append(layer)
+        for (_, sliding, first), layers in groups.items():
+            self._finalize_group(layers, b, t, first, sliding)
+
+    def _finalize_group(self, layers: list, b: int, t: int, first: int, sliding: bool):
+        """_finalize for `layers`, which hold thought t of row b from position `first` on."""
+        config, row, seen = self.config, self.rows[b], self.seen
+        end, span, m = row.thoughts[t][1], row.spans[t], seen - first
+        n = max(end - first, 0)
+        keys = torch.stack([layer.keys[b, :, layer.keys.shape[2] - m:] for layer in layers])  # (L, Hkv, m, d)
+        values = torch.stack([layer.values[b, :, layer.values.shape[2] - m:] for layer in layers])
+        device, rope = keys.device, layers[0].rope
+        if span is not None:
+            keep = torch.arange(max(span[0], first) - first, span[1] - first, device=device).expand(len(layers), -1)
+        elif config.summary_pick == "novel":  # compared with the row's real tokens before the thought
+            pad = torch.nn.utils.rnn.pad_sequence
+            before = pad([layer.keys[b, :, : layer.keys.shape[2] - m].transpose(0, 1) for layer in layers],
+                         batch_first=True).transpose(1, 2)  # (L, Hkv, R, d)
+            before_pos = pad([layer.positions[b, : layer.positions.shape[1] - m] for layer in layers],
+                             batch_first=True, padding_value=-1)  # (L, R)
+            keep = pick_summary(keys[:, :, :n], torch.arange(first, first + n, device=device), config.summary_tokens,
+                                "novel", rope, before, before_pos, before_pos >= row.keep[0][0])
+        else:
+            keep = pick_summary(keys[:, :, :n], None, config.summary_tokens, config.summary_pick)
+        kept_pos = keep + first  # (L, r)
+        if config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
+            kept = keys[torch.arange(len(layers), device=device)[:, None], :, keep].transpose(1, 2)  # (L, Hkv, r, d)
+            index = unrotate(kept, kept_pos[:, None], rope).mean(2) if keep.shape[1] else keys.new_zeros(
+                len(layers), keys.shape[1], keys.shape[3])  # (L, Hkv, d)
+        detail = None
+        if layers[0].detail_store is not None:
+            detail = store_layers([layer.detail_store for layer in layers], keys[:, :, :n], values[:, :, :n], sliding)
+        for i, layer in enumerate(layers):
+            layer.summary_pos[b].append(kept_pos[i])
+            if config.zoom is not None:
+                layer.index[b].append(index[i])
+                layer.index_bytes += tensor_bytes(index[i])
+                layer.stacked = None
+            if detail is not None:
+                layer.detail[b].append(detail[i])
+                layer.host_bytes += part_bytes(detail[i])
 
     def cast_votes(self):
         """After the last layer has attended: the query heads of every layer (`queries`, gathered during the

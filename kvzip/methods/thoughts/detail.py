@@ -35,6 +35,17 @@ def part_bytes(stored) -> int:
     return sum(tensor_bytes(*part) for part in stored)
 
 
+def store_layers(stores: list, k: torch.Tensor, v: torch.Tensor, separate: bool = False) -> list:
+    """One thought of several layers at once: k, v (L, Hkv, n, d), `stores` the layers' tiers -> one stored thought
+    per layer. The tiers that keep no per-layer state store all layers in one pass, each layer's part a view of it
+    (`separate`: a copy of its own, for layers that free their detail one by one)."""
+    if type(stores[0]) not in (DenseDetail, Int8Detail) or any(type(s) is not type(stores[0]) for s in stores):
+        return [s.store(k[i], v[i]) for i, s in enumerate(stores)]
+    parts = stores[0].store(k, v)
+    own = (lambda x: x.clone()) if separate else (lambda x: x)  # noqa: E731
+    return [tuple(tuple(own(x[i]) for x in part) for part in parts) for i in range(len(stores))]
+
+
 class DenseDetail:
     """detail=host: dense copies in the compute dtype."""
 

@@ -21,26 +21,33 @@ SUMMARY_SOURCES = ("pooled", "generated")
 SUMMARY_PICKS = ("norm", "novel")
 
 
-def novelty(mine: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """Content keys of the thought's tokens (Hkv, n, d) against those before it (Hkv, R, d) -> novelty (n,)."""
-    if seen.shape[1] == 0:
-        return mine.norm(dim=-1).sum(0)
-    cos = torch.nn.functional.normalize(mine, dim=-1) @ torch.nn.functional.normalize(seen, dim=-1).transpose(1, 2)
-    return (1 - cos.amax(-1)).sum(0)  # (n,)
+def novelty(mine: torch.Tensor, seen: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Content keys of the thought's tokens (L, Hkv, n, d) against those before it (L, Hkv, R, d), of which `valid`
+    (L, R) are real (default all) -> novelty (L, n). L is layers done at once (any leading dims work)."""
+    if seen.shape[-2] == 0:
+        return mine.norm(dim=-1).sum(-2)
+    cos = torch.nn.functional.normalize(mine, dim=-1) @ torch.nn.functional.normalize(seen, dim=-1).transpose(-1, -2)
+    if valid is not None:
+        cos = cos.masked_fill(~valid[..., None, None, :], float("-inf"))
+    score = (1 - cos.amax(-1)).sum(-2)  # (L, n)
+    if valid is None:
+        return score
+    return torch.where(valid.any(-1, keepdim=True), score, mine.norm(dim=-1).sum(-2))
 
 
-def pick_summary(keys: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, before: torch.Tensor, count: int,
-                 pick: str, rope=None) -> torch.Tensor:
-    """The buffer slots a pooled summary keeps, in buffer order: `count` (at most) of the thought's `slots`.
+def pick_summary(mine: torch.Tensor, pos: torch.Tensor, count: int, pick: str, rope=None, before=None,
+                 before_pos=None, valid=None) -> torch.Tensor:
+    """Which of a thought's tokens a pooled summary keeps, in each of L layers sharing `rope`: indices (L, count at
+    most) into the thought, ascending.
 
-    keys (Hkv, S, d) and pos (S,) are one row's active buffer; `before` (R,) the slots of the real tokens before
-    the thought (what `novel` compares with); `rope` the layer's Rope, for `novel`.
+    mine (L, Hkv, n, d): the thought's keys as the cache holds them, at positions pos (n,). For `novel`, before
+    (L, Hkv, R, d) at before_pos (L, R), of which valid (L, R) are real: the tokens on the device before the
+    thought, padded to the most any layer has.
     """
-    count = min(count, slots.numel())
+    count = min(count, mine.shape[-2])
     if pick == "novel":
-        mine = unrotate(keys[:, slots].float(), pos[slots], rope)  # (Hkv, n, d)
-        seen = unrotate(keys[:, before].float(), pos[before], rope)  # (Hkv, R, d)
-        score = novelty(mine, seen)
+        seen = unrotate(before.float(), before_pos[:, None], rope)
+        score = novelty(unrotate(mine.float(), pos, rope), seen, valid)
     else:
-        score = keys[:, slots].norm(dim=-1).sum(0)
-    return slots[ranked(score)[:count].sort().values]
+        score = mine.norm(dim=-1).sum(-2)
+    return ranked(score)[..., :count].sort(-1).values
