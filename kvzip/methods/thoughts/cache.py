@@ -67,28 +67,24 @@ class ThoughtLayer(DenseLayer):
 
     def __init__(self, cache: "ThoughtCache", idx: int, rope=None, sliding: int | None = None):
         super().__init__(sliding)
-        self.cache, self.idx, self.version = cache, idx, 0
+        self.cache, self.idx = cache, idx
         self.rope = rope  # this layer's Rope: content-space index keys and summary_pick=novel
         self.detail_store = None if cache.config.detail is None else cache.config.detail[idx]
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
         self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
+        self.summary_all = [self.positions.new_zeros(0) for _ in range(self.batch)]  # per row, all of them at once
         self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key (zoom only)
         self.index_bytes = 0  # their bytes, kept as they are added: memory() runs after every forward
         self.detail = [[] for _ in range(self.batch)]  # per row, per thought: K and V parts off the device
-        self.zoomed = [set() for _ in range(self.batch)]  # per row, the zoom set its buffer was last gathered for
         self.stacked = None  # centred index keys (B, Hkv, T, d) and valid (B, T), built when first needed
         self.host_bytes = 0
 
     def attend(self, module, query, key, value, mask, scaling):
         c = self.cache
-        if self.idx == 0:
+        if self.idx == 0:  # the other layers receive this forward's tokens after it has rebuilt them
             c.begin_forward(mask, query.shape[2], self.batch, self.device)
-        t0 = time.perf_counter()
-        if self.version != c.version:
-            self._rebuild(visible_from(self.seen - query.shape[2], self.sliding))
-        c.overhead_s += time.perf_counter() - t0
         out = self._attention(query, mask, scaling)
         if c.any_voting:
             c.queries.append((self, query[:, :, -1]))
@@ -143,16 +139,18 @@ class ThoughtLayer(DenseLayer):
         ends = torch.tensor([e + [0] * (valid.shape[1] - len(e)) for e in ends], device=valid.device)
         return valid & (ends > cut)
 
-    def _rebuild(self, cut: int = 0):
-        """Rebuild the active context of the rows whose zoom set or tail moved (`cache.rebuilding`), in place: each
-        such row is gathered anew (zoomed thoughts' detail loaded back) and written right-aligned into the buffer,
-        empty slots in front (position -1); every other row is left as it is. The buffer widens only when a row
-        needs more slots than it has and loses the columns that are empty in every row. Positions before `cut` (what
-        a sliding-window layer's queries can no longer see) are left out."""
-        c = self.cache
-        if cut:
-            self.positions = self.positions.masked_fill(self.positions < cut, -1)
-        rows = {b: self._row_context(b, cut) for b in sorted(c.rebuilding)}
+    def _write_rows(self, plans: dict):
+        """Rows rebuilt from their plans (`ThoughtCache._plan_row`: positions, sources, loaded K/V), in place: each
+        planned row is gathered from its current slots and the loaded tokens and written right-aligned, empty slots
+        in front (position -1); every other row is left as it is. The buffer widens only when a row needs more slots
+        than it has and loses the columns that are empty in every row."""
+        rows = {}
+        for b, (pos, src, loaded) in plans.items():
+            k, v = self.keys[b], self.values[b]
+            if loaded is not None:
+                k, v = torch.cat([k, loaded[0]], 1), torch.cat([v, loaded[1]], 1)
+            # index_select: 4x faster than the same gather written k[:, src] (CPU, 300 slots)
+            rows[b] = k.index_select(1, src), v.index_select(1, src), pos
         need = max((p.numel() for _, _, p in rows.values()), default=0)
         width = self.keys.shape[2]
         if need > width:  # widen on the left: older slots are further left in every row
@@ -172,40 +170,6 @@ class ThoughtLayer(DenseLayer):
         if drop:
             self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
             self.positions = self.positions[:, drop:]
-        self.version = c.version
-
-    def _row_context(self, b: int, cut: int):
-        """Row b's active context (K, V (Hkv, n, d), positions (n,)), sorted by position: the kept prompt, the tail,
-        every summary and the zoomed thoughts, those not in the buffer loaded back from the detail tier. A thought
-        that was zoomed at this row's last gather is whole in the buffer still; only newly zoomed ones are loaded."""
-        c, row = self.cache, self.cache.rows[b]
-        p = self.positions[b]
-        wanted = torch.zeros(self.seen, dtype=torch.bool, device=self.device)
-        for s, e in row.keep + [(c.tail_start[b], self.seen)] + [row.thoughts[t] for t in row.zoom]:
-            wanted[s:e] = True
-        if self.summary_pos[b]:
-            wanted[torch.cat(self.summary_pos[b])] = True
-        if cut:
-            wanted[:cut] = False
-        live = p >= 0
-        slots = (live & wanted[p.clamp(min=0)]).nonzero().squeeze(-1)
-        # index_select: 4x faster than the same gather written k[:, slots] (CPU, 300 slots)
-        ks, vs, ps = [self.keys[b].index_select(1, slots)], [self.values[b].index_select(1, slots)], [p[slots]]
-        new = [t for t in row.zoom if t not in self.zoomed[b]]
-        self.zoomed[b] = set(row.zoom)
-        if not new:
-            return ks[0], vs[0], ps[0]
-        missing = wanted.clone()
-        missing[p[live]] = False
-        for t in new:
-            s, e = row.thoughts[t]
-            need = missing[s:e].nonzero().squeeze(-1)
-            if need.numel():
-                hk, hv = self._load(b, t)
-                ks.append(hk.index_select(1, need)), vs.append(hv.index_select(1, need)), ps.append(need + s)
-        pos = torch.cat(ps)
-        order = pos.argsort()
-        return torch.cat(ks, 1).index_select(1, order), torch.cat(vs, 1).index_select(1, order), pos[order]
 
 
 class ThoughtCache(KVCache):
@@ -214,14 +178,14 @@ class ThoughtCache(KVCache):
     def __init__(self, method, config: ThoughtConfig, ropes: list, windows: list):
         self.config = config
         self.rows: list[Row] = []
-        self.version, self.seen, self.q_len = 0, 0, 0
+        self.seen, self.q_len = 0, 0
         self.finishing: list[tuple[int, int]] = []  # (row, thought) finalized during the current forward
         self.next_finishing: list[tuple[int, int]] = []
         self.voting = self.next_voting = None  # (B,) bool rows voting in this / the next forward
         self.any_voting = self.next_any = False
         self.ballot = None if config.zoom is None else Ballot(config.zoom.zoom_thoughts, config.zoom.vote_decay)
         self.tail_start: list[int] = []
-        self.rebuilding: set[int] = set()  # rows whose buffer the current version rebuilds
+        self.zoomed: list[set[int]] = []  # per row, the zoom set its buffers were last gathered for
         self.overhead_s, self.steps, self.rebuilds = 0.0, 0, 0
         self.last_zoom: list[list[int]] = []
         self.queries: list = []  # (layer, its last query (B, Hq, d)) of the current forward, for cast_votes
@@ -251,6 +215,7 @@ class ThoughtCache(KVCache):
             self.voting = torch.zeros(batch, dtype=torch.bool, device=device)
             self.next_voting = torch.zeros_like(self.voting)
             self.last_zoom = [[] for _ in range(batch)]
+            self.zoomed = [set() for _ in range(batch)]
         elif q_len > 1:  # more input (a chat turn): the open thought ends, the new tokens are kept in full
             for b, row in enumerate(self.rows):
                 if row.take_input(past, q_len):
@@ -268,16 +233,85 @@ class ThoughtCache(KVCache):
         if not self.tail_start:
             self.tail_start = [r.tail_from for r in self.rows]
         if moved:
-            self.version += 1
             self.rebuilds += 1
-            self.rebuilding = set(moved)
             for b in moved:
                 self.tail_start[b] = self.rows[b].tail_from = need[b]
+            self._rebuild(moved)
         self.finishing, self.next_finishing = self.next_finishing, []
         self.voting, self.next_voting = self.next_voting, torch.zeros_like(self.next_voting)
         self.any_voting, self.next_any = self.next_any, False
         self.steps += q_len == 1
         self.overhead_s += time.perf_counter() - t0
+
+    def _rebuild(self, moved: list[int]):
+        """Rebuild the active context of the rows whose zoom set or tail moved, in every layer at once (layer 0
+        holds this forward's tokens already, the others receive them after). Layers of one kind of attention are
+        planned together (`_plan_row`); only the gathers and writes are per layer. Positions a sliding-window
+        layer's queries can no longer see are left out."""
+        groups: dict = {}
+        for layer in self.layers:
+            if layer.is_initialized:  # (all are, after the first forward)
+                groups.setdefault(layer.sliding, []).append(layer)
+        for sliding, layers in groups.items():
+            cut = visible_from(self.seen - self.q_len, sliding)
+            if cut:
+                for layer in layers:
+                    layer.positions = layer.positions.masked_fill(layer.positions < cut, -1)
+            plans = {b: self._plan_row(layers, b, cut) for b in moved}
+            for i, layer in enumerate(layers):
+                layer._write_rows({b: plan[i] for b, plan in plans.items()})
+        for b in moved:
+            self.zoomed[b] = set(self.rows[b].zoom)
+
+    def _plan_row(self, layers: list, b: int, cut: int) -> list[tuple]:
+        """Row b's active context in each of `layers`, sorted by position: the kept prompt, the tail, the layer's
+        summaries and the zoomed thoughts, none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and
+        V (Hkv, m, d) or None), sources indexing the layer's current row followed by the loaded tokens. A thought
+        zoomed at the row's last gather is whole in the buffer still; only newly zoomed ones are loaded, and of those
+        only what a layer does not hold (its own summary tokens it does). All of it is planned as masks over
+        positions (L, seen + 1; the last column takes what pads a shorter layer), one read back for the counts."""
+        row, seen, pad = self.rows[b], self.seen, torch.nn.utils.rnn.pad_sequence
+        device, count = layers[0].device, len(layers)
+        base = torch.zeros(seen + 1, dtype=torch.bool, device=device)
+        for s, e in row.keep + [(self.tail_start[b], seen)] + [row.thoughts[t] for t in row.zoom]:
+            base[s:e] = True
+        wanted = base.repeat(count, 1)
+        wanted.scatter_(1, pad([layer.summary_all[b] for layer in layers], batch_first=True, padding_value=seen), True)
+        wanted[:, seen] = False
+        wanted[:, :cut] = False
+        held_pos = pad([layer.positions[b] for layer in layers], batch_first=True, padding_value=-1)  # (L, W)
+        at = torch.where(held_pos >= 0, held_pos, seen)
+        held = torch.zeros_like(wanted).scatter_(1, at, True)
+        slot = torch.zeros_like(wanted, dtype=torch.long).scatter_(
+            1, at, torch.arange(at.shape[1], device=device).expand_as(at))  # position -> its slot in the row
+        keep = wanted & held
+        new = [t for t in row.zoom if t not in self.zoomed[b]]
+        if new:
+            fresh = torch.zeros(seen + 1, dtype=torch.bool, device=device)
+            loaded_at = torch.zeros(seen + 1, dtype=torch.long, device=device)  # position -> index among the loaded
+            offset = 0
+            for t in new:
+                s, e = row.thoughts[t]
+                fresh[s:e] = True
+                loaded_at[s:e] = torch.arange(offset, offset + e - s, device=device)
+                offset += e - s
+            load = wanted & ~held & fresh
+            keep = keep | load
+            widths = torch.tensor([layer.positions.shape[1] for layer in layers], device=device)
+        counts = keep.sum(1).tolist()
+        which, pos = keep.nonzero(as_tuple=True)  # by layer, then by position
+        src = slot[which, pos]
+        if new:
+            src = torch.where(held[which, pos], src, widths[which] + loaded_at[pos])
+            loads = load.any(1).tolist()
+        plans = []
+        for i, (layer, p, source) in enumerate(zip(layers, pos.split(counts), src.split(counts))):
+            loaded = None
+            if new and loads[i]:
+                parts = [layer._load(b, t) for t in new]
+                loaded = tuple(torch.cat([part[j] for part in parts], 1) for j in range(2))
+            plans.append((p, source, loaded))
+        return plans
 
     def end_forward(self):
         """After the last layer has attended: the thoughts that ended in this forward are finalized in every layer,
@@ -336,6 +370,7 @@ class ThoughtCache(KVCache):
             detail = store_layers([layer.detail_store for layer in layers], keys[:, :, :n], values[:, :, :n], sliding)
         for i, layer in enumerate(layers):
             layer.summary_pos[b].append(kept_pos[i])
+            layer.summary_all[b] = torch.cat([layer.summary_all[b], kept_pos[i]])
             if config.zoom is not None:
                 layer.index[b].append(index[i])
                 layer.index_bytes += tensor_bytes(index[i])
