@@ -102,7 +102,7 @@ def voting_layer(tiny, keys, opts):
     layer = cache.layers[0]
     layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
     layer.positions = torch.zeros(1, 1, dtype=torch.long)
-    layer.index[0] = list(keys)
+    cache.index_rows = [[k.expand(len(cache.layers), *k.shape) for k in keys]]  # every layer's index key (L, Hkv, d)
     cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
     cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(len(keys))]
     cache.voting, cache.any_voting = torch.ones(1, dtype=torch.bool), True

@@ -75,7 +75,8 @@ class ThoughtLayer(DenseLayer):
         super().lazy_initialization(key_states, value_states)
         self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
         self.summary_all = [self.positions.new_zeros(0) for _ in range(self.batch)]  # per row, all of them at once
-        self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key (zoom only)
+        self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key (zoom only), a view
+        # of the cache's index_rows
         self.index_bytes = 0  # their bytes, kept as they are added: memory() runs after every forward
         self.detail = [[] for _ in range(self.batch)]  # per row, per thought: K and V parts off the device
         self.stacked = None  # centred index keys (B, Hkv, T, d) and valid (B, T), built when first needed
@@ -189,6 +190,7 @@ class ThoughtCache(KVCache):
         self.overhead_s, self.steps, self.rebuilds = 0.0, 0, 0
         self.last_zoom: list[list[int]] = []
         self.queries: list = []  # (layer, its last query (B, Hq, d)) of the current forward, for cast_votes
+        self.index_rows: list[list[torch.Tensor]] = []  # per row, per thought: every layer's index key (L, Hkv, d)
         self.index_keys = None  # every layer's stacked index keys (L, B, Hkv, T, d); layers hold views of it
         super().__init__([ThoughtLayer(self, i, ropes[i], windows[i]) for i in range(len(windows))], method)
 
@@ -216,6 +218,7 @@ class ThoughtCache(KVCache):
             self.next_voting = torch.zeros_like(self.voting)
             self.last_zoom = [[] for _ in range(batch)]
             self.zoomed = [set() for _ in range(batch)]
+            self.index_rows = [[] for _ in range(batch)]
         elif q_len > 1:  # more input (a chat turn): the open thought ends, the new tokens are kept in full
             for b, row in enumerate(self.rows):
                 if row.take_input(past, q_len):
@@ -337,11 +340,22 @@ class ThoughtCache(KVCache):
         for layer in self.layers:
             first = max(start, visible_from(self.seen - self.q_len, layer.sliding))
             groups.setdefault((id(layer.rope), layer.sliding is not None, first), []).append(layer)
-        for (_, sliding, first), layers in groups.items():
-            self._finalize_group(layers, b, t, first, sliding)
+        index = [self._finalize_group(layers, b, t, first, sliding) for (_, sliding, first), layers in groups.items()]
+        if self.config.zoom is None:
+            return
+        if len(groups) > 1:  # every layer's index key in layer order
+            at = torch.tensor([layer.idx for layers in groups.values() for layer in layers], device=index[0].device)
+            index = [torch.empty_like(torch.cat(index)).index_copy_(0, at, torch.cat(index))]
+        self.index_rows[b].append(index[0])
+        self.index_keys = None
+        for layer in self.layers:
+            layer.index[b].append(index[0][layer.idx])  # a view: each layer's memory() counts its part
+            layer.index_bytes += tensor_bytes(layer.index[b][-1])
+            layer.stacked = None
 
-    def _finalize_group(self, layers: list, b: int, t: int, first: int, sliding: bool):
-        """_finalize for `layers`, which hold thought t of row b from position `first` on."""
+    def _finalize_group(self, layers: list, b: int, t: int, first: int, sliding: bool) -> torch.Tensor | None:
+        """_finalize for `layers`, which hold thought t of row b from position `first` on; returns their index keys
+        (L, Hkv, d) when the cache zooms in."""
         config, row, seen = self.config, self.rows[b], self.seen
         end, span, m = row.thoughts[t][1], row.spans[t], seen - first
         n = max(end - first, 0)
@@ -361,6 +375,7 @@ class ThoughtCache(KVCache):
         else:
             keep = pick_summary(keys[:, :, :n], None, config.summary_tokens, config.summary_pick)
         kept_pos = keep + first  # (L, r)
+        index = None
         if config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
             kept = keys[torch.arange(len(layers), device=device)[:, None], :, keep].transpose(1, 2)  # (L, Hkv, r, d)
             index = unrotate(kept, kept_pos[:, None], rope).mean(2) if keep.shape[1] else keys.new_zeros(
@@ -371,13 +386,10 @@ class ThoughtCache(KVCache):
         for i, layer in enumerate(layers):
             layer.summary_pos[b].append(kept_pos[i])
             layer.summary_all[b] = torch.cat([layer.summary_all[b], kept_pos[i]])
-            if config.zoom is not None:
-                layer.index[b].append(index[i])
-                layer.index_bytes += tensor_bytes(index[i])
-                layer.stacked = None
             if detail is not None:
                 layer.detail[b].append(detail[i])
                 layer.host_bytes += part_bytes(detail[i])
+        return index
 
     def cast_votes(self):
         """After the last layer has attended: the query heads of every layer (`queries`, gathered during the
@@ -385,13 +397,16 @@ class ThoughtCache(KVCache):
         layer's RoPE (content against content); the votes land in the ballot."""
         queries, self.queries = self.queries, []
         layers = [layer for layer, _ in queries]
-        if self.index_keys is None or any(layer.stacked is None for layer in layers):
-            stacks = [stack_index(layer.index, q) for layer, q in queries]
-            if stacks[0] is None:  # no row has finished a thought yet
+        if self.index_keys is None:
+            stacked = stack_index(self.index_rows)
+            if stacked is None:  # no row has finished a thought yet
                 return
-            self.index_keys = torch.stack([keys for keys, _ in stacks])  # (L, B, Hkv, T, d)
-            for i, (layer, (_, valid)) in enumerate(zip(layers, stacks)):
-                layer.stacked = (self.index_keys[i], valid)  # a view: each layer's memory() counts its part
+            self.index_keys = stacked[0]  # (L, B, Hkv, T, d)
+            for layer in self.layers:
+                layer.stacked = (self.index_keys[layer.idx], stacked[1])  # a view: each layer's memory() counts its part
+        keys = self.index_keys
+        if len(layers) < len(self.layers):
+            keys = keys[[layer.idx for layer in layers]]
         valid = torch.stack([layer.visible_thoughts(layer.stacked[1]) for layer in layers])  # (L, B, T)
         q = torch.stack([q for _, q in queries])  # (L, B, Hq, d)
         pos = layers[0].positions[:, -1]  # (B,) the newest token's position, the same in every layer
@@ -399,7 +414,7 @@ class ThoughtCache(KVCache):
         for rope in {id(layer.rope): layer.rope for layer in layers}.values():
             at = [i for i, layer in enumerate(layers) if layer.rope is rope]
             content[at] = unrotate(q[at].transpose(1, 2), pos, rope).transpose(1, 2)  # (Lr, Hq, B, d) turned
-        top = head_votes(content, self.index_keys, valid, self.config.zoom.votes_per_head)  # (L, B, Hq, k)
+        top = head_votes(content, keys, valid, self.config.zoom.votes_per_head)  # (L, B, Hq, k)
         hits = valid.gather(2, top.flatten(2)) & self.voting[None, :, None]  # only real thoughts, voting rows
         self.ballot.add(top.transpose(0, 1).flatten(1), hits.transpose(0, 1).flatten(1).float(),
                         max(len(r.thoughts) for r in self.rows))

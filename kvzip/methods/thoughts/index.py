@@ -24,7 +24,7 @@ def ranked(scores: torch.Tensor) -> torch.Tensor:
 
 
 def centre_index(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Index keys (B, Hkv, T, d) minus their mean over each row's real thoughts (valid (B, T)), then unit length.
+    """Index keys (..., B, Hkv, T, d) minus their mean over each row's real thoughts (valid (B, T)), then unit length.
 
     What every thought's summary shares (the words of the task that recur in each note, the common direction of a
     head's keys) scores the same for all thoughts and only decides which thought wins when the query is about
@@ -32,22 +32,22 @@ def centre_index(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     leaves what tells thoughts apart; unit length stops a long key from winning on its norm alone.
     """
     w = valid[:, None, :, None].to(keys.dtype)  # (B, 1, T, 1)
-    mean = (keys * w).sum(2, keepdim=True) / w.sum(2, keepdim=True).clamp(min=1)
+    mean = (keys * w).sum(-2, keepdim=True) / w.sum(-2, keepdim=True).clamp(min=1)
     return torch.nn.functional.normalize((keys - mean) * w, dim=-1)
 
 
-def stack_index(index: list[list[torch.Tensor]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per row, per thought index keys (Hkv, d) -> centred keys (B, Hkv, T, d) and valid (B, T), rows padded to the
-    most thoughts; None while no row has a thought. `like` gives dtype and device."""
-    n = max(len(ix) for ix in index)
+def stack_index(rows: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row, per thought index keys of every layer (L, Hkv, d) -> centred keys (L, B, Hkv, T, d) and valid (B, T),
+    rows padded to the most thoughts; None while no row has a thought."""
+    n = max(len(ix) for ix in rows)
     if n == 0:
         return None
-    heads, dim = next(x for ix in index for x in ix).shape
-    keys = like.new_zeros(len(index), heads, n, dim)
-    valid = torch.zeros(len(index), n, dtype=torch.bool, device=like.device)
-    for b, ix in enumerate(index):
+    like = next(x for ix in rows for x in ix)
+    keys = like.new_zeros(like.shape[0], len(rows), like.shape[1], n, like.shape[2])
+    valid = torch.zeros(len(rows), n, dtype=torch.bool, device=like.device)
+    for b, ix in enumerate(rows):
         if ix:  # one write per row, not per thought
-            keys[b, :, : len(ix)] = torch.stack(ix, 1)
+            keys[:, b, :, : len(ix)] = torch.stack(ix, 2)
             valid[b, : len(ix)] = True
     return centre_index(keys, valid), valid
 
