@@ -128,7 +128,8 @@ class DenseLayer(KVLayer):
     on CPU (more than the attention that reads it). `keys`, `values` and `positions` are views of S slots of that
     room; a subclass may still assign them anything: dropping the oldest slots (a slice) keeps the room, anything
     else (a gather) makes the next append allocate new room once. `memory()` counts the stored tokens, not the
-    spare slots (at most `SPARE` or 1/16 more), as it does not count DynamicCache's transient copy in its `cat`."""
+    spare slots (`SPARE` or 1/16 more at allocation; `prepend` keeps as much in front too), as it does not count
+    DynamicCache's transient copy in its `cat`."""
 
     SPARE = 16  # slots of spare room at least (or 1/16 of those stored), allocated beyond the stored tokens
 
@@ -185,6 +186,28 @@ class DenseLayer(KVLayer):
         view = room.narrow(dim, start, n + q)
         setattr(self, name, view)
         self.appended[name] = (view, start)
+        return view
+
+    def prepend(self, name: str, count: int, fill) -> torch.Tensor:
+        """Attribute `name` with `count` slots set to `fill` put in front, written into spare room before it when
+        there is some; else new room is allocated with `SPARE` or 1/16 spare on both sides (a buffer that widens on
+        the left, as zoomr's does when a rebuilt row outgrows it, then stays in place for the appends that follow)."""
+        cur = getattr(self, name)
+        dim = self._token_axis(cur)
+        n = cur.shape[dim]
+        last = self.appended.get(name)
+        room, start = (self.room[name], last[1]) if last is not None and last[0] is cur else self._backing(name)
+        if room is None or start < count:
+            spare = max(self.SPARE, n // 16)
+            shape = list(cur.shape)
+            shape[dim] = count + spare + n + spare
+            room, start = cur.new_empty(shape), count + spare
+            room.narrow(dim, start, n).copy_(cur)
+            self.room[name] = room
+        view = room.narrow(dim, start - count, n + count)
+        view.narrow(dim, 0, count).fill_(fill)
+        setattr(self, name, view)
+        self.appended[name] = (view, start - count)
         return view
 
     def memory(self) -> dict[str, int]:

@@ -73,6 +73,7 @@ class ThoughtLayer(DenseLayer):
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
+        self.lengths = [0] * self.batch  # per row, its slots in use: the last ones of the buffer
         self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
         self.summary_all = [self.positions.new_zeros(0) for _ in range(self.batch)]  # per row, all of them at once
         self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key (zoom only), a view
@@ -91,6 +92,11 @@ class ThoughtLayer(DenseLayer):
             c.queries.append((self, query[:, :, -1]))
         if self.idx == len(c.layers) - 1:
             c.end_forward()
+        return out
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        out = super().update(key_states, value_states, *args, **kwargs)
+        self.lengths = [n + key_states.shape[2] for n in self.lengths]  # every row's stored tokens (right-aligned)
         return out
 
     def memory(self) -> dict[str, int]:
@@ -154,20 +160,20 @@ class ThoughtLayer(DenseLayer):
             rows[b] = k.index_select(1, src), v.index_select(1, src), pos
         need = max((p.numel() for _, _, p in rows.values()), default=0)
         width = self.keys.shape[2]
-        if need > width:  # widen on the left: older slots are further left in every row
-            grow = need - width
-            self.keys = torch.cat([self.keys.new_zeros(self.batch, self.kv_heads, grow, self.head_dim), self.keys], 2)
-            self.values = torch.cat([self.values.new_zeros(self.batch, self.kv_heads, grow, self.head_dim),
-                                     self.values], 2)
-            self.positions = torch.cat([self.positions.new_full((self.batch, grow), -1), self.positions], 1)
+        if need > width:  # widen on the left (older slots are further left in every row), zeros: no NaN to mask
+            for name, fill in (("keys", 0), ("values", 0), ("positions", -1)):
+                self.prepend(name, need - width, fill)
             width = need
         for b, (k, v, p) in rows.items():
-            n = p.numel()
+            n = self.lengths[b] = p.numel()
             self.keys[b, :, width - n :], self.values[b, :, width - n :] = k, v
             self.positions[b, width - n :] = p
             self.positions[b, : width - n] = -1
-        empty = (self.positions < 0).all(0)  # (S,) columns no row uses; rows are right-aligned, so they lead
-        drop = int(empty.long().cumprod(0).sum())
+        if self.sliding is None:  # the columns no row uses lead, rows being right-aligned
+            drop = width - max(self.lengths)
+        else:  # positions a sliding window can no longer see were emptied too: count them
+            self.lengths = (self.positions >= 0).sum(1).tolist()
+            drop = int((self.positions < 0).all(0).long().cumprod(0).sum())
         if drop:
             self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
             self.positions = self.positions[:, drop:]
