@@ -121,11 +121,14 @@ class ThoughtLayer(DenseLayer):
 
     def _attention(self, query, mask, scaling):
         """query (B, Hq, q, d) over the active buffer -> (B, q, Hq, d)."""
-        valid = (self.positions >= 0)[:, None, None, :]  # (B, 1, 1, S)
-        if mask is not None:
-            m = gather_mask(mask, self.positions.clamp(min=0)) & valid
+        if mask is not None and query.shape[2] == 1 and self.sliding is None:
+            # One new token per row on a full-attention layer: the engine's mask hides only each row's left padding,
+            # the positions before first_real (an empty slot's -1 among them); no gather of its columns needed.
+            m = (self.positions >= self.cache.first_real)[:, None, None, :]
+        elif mask is not None:
+            m = gather_mask(mask, self.positions.clamp(min=0)) & (self.positions >= 0)[:, None, None, :]
         else:
-            m = valid & causal_tail(query.shape[2], self.keys.shape[2], valid.device)
+            m = (self.positions >= 0)[:, None, None, :] & causal_tail(query.shape[2], self.keys.shape[2], query.device)
         if decode_path(query):
             return grouped_attention(query, self.keys, self.values, m, scaling)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -220,6 +223,7 @@ class ThoughtCache(KVCache):
         if not self.rows:
             pad = leading_padding(mask, batch, device).tolist()
             self.rows = [Row(p, q_len) for p in pad]
+            self.first_real = torch.tensor(pad, device=device)[:, None]  # (B, 1) each row's first real position
             self.voting = torch.zeros(batch, dtype=torch.bool, device=device)
             self.next_voting = torch.zeros_like(self.voting)
             self.last_zoom = [[] for _ in range(batch)]
