@@ -28,7 +28,7 @@ import torch
 
 from kvzip.attention import causal_tail, decode_path, gather_mask, grouped_attention, leading_padding
 from kvzip.methods.base import DenseLayer, KVCache, tensor_bytes
-from kvzip.methods.thoughts.detail import part_bytes, store_layers
+from kvzip.methods.thoughts.detail import load_layers, part_bytes, store_layers
 from kvzip.methods.thoughts.index import Ballot, head_votes, stack_index
 from kvzip.methods.thoughts.segment import Row, Segmentation
 from kvzip.methods.thoughts.summary import pick_summary
@@ -317,14 +317,14 @@ class ThoughtCache(KVCache):
         if new:
             src = torch.where(held[which, pos], src, widths[which] + loaded_at[pos])
             loads = load.any(1).tolist()
-        plans = []
-        for i, (layer, p, source) in enumerate(zip(layers, pos.split(counts), src.split(counts))):
-            loaded = None
-            if new and loads[i]:
-                parts = [layer._load(b, t) for t in new]
-                loaded = tuple(torch.cat([part[j] for part in parts], 1) for j in range(2))
-            plans.append((p, source, loaded))
-        return plans
+        loaded = [None] * count
+        if new and any(loads):
+            stores = [layer.detail_store for layer in layers]
+            parts = [load_layers(stores, [layer.detail[b][t] for layer in layers], device, layers[0].dtype)
+                     for t in new]  # per thought, per layer (K, V)
+            loaded = [tuple(torch.cat([part[i][j] for part in parts], 1) for j in range(2)) if loads[i] else None
+                      for i in range(count)]
+        return list(zip(pos.split(counts), src.split(counts), loaded))
 
     def end_forward(self):
         """After the last layer has attended: the thoughts that ended in this forward are finalized in every layer,

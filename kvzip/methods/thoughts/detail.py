@@ -46,6 +46,19 @@ def store_layers(stores: list, k: torch.Tensor, v: torch.Tensor, separate: bool 
     return [tuple(tuple(own(x[i]) for x in part) for part in parts) for i in range(len(stores))]
 
 
+def load_layers(stores: list, stored: list, device, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One thought of several layers back on `device`: K, V (Hkv, n, d) per layer. Where the tiers keep no per-layer
+    state and the parts have one shape, all layers are decoded in one pass."""
+    kind = type(stores[0])
+    shapes = {tuple(x.shape for part in p for x in part) if p is not None else None for p in stored}
+    if kind not in (DenseDetail, Int8Detail) or any(type(s) is not kind for s in stores) or len(shapes) > 1 \
+            or None in shapes:
+        return [s.load(p, device, dtype) for s, p in zip(stores, stored)]
+    parts = tuple(tuple(torch.stack(xs) for xs in zip(*(p[i] for p in stored))) for i in range(2))
+    k, v = stores[0].load(parts, device, dtype)
+    return list(zip(k, v))
+
+
 class DenseDetail:
     """detail=host: dense copies in the compute dtype."""
 
