@@ -70,6 +70,15 @@ def _commit() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name as Linux reports it (runs on different machines are told apart by it), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def environment(model, source) -> dict:
     return {
         "commit": _commit(),
@@ -82,6 +91,7 @@ def environment(model, source) -> dict:
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
+        "cpu": _cpu_model(),
         "load_average_start": [round(x, 2) for x in os.getloadavg()],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cuda_device": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
