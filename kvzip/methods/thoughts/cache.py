@@ -375,11 +375,12 @@ class ThoughtCache(KVCache):
         if span is not None:
             keep = torch.arange(max(span[0], first) - first, span[1] - first, device=device).expand(len(layers), -1)
         elif config.summary_pick == "novel":  # compared with the row's real tokens before the thought
-            pad = torch.nn.utils.rnn.pad_sequence
-            before = pad([layer.keys[b, :, : layer.keys.shape[2] - m].transpose(0, 1) for layer in layers],
-                         batch_first=True).transpose(1, 2)  # (L, Hkv, R, d)
-            before_pos = pad([layer.positions[b, : layer.positions.shape[1] - m] for layer in layers],
-                             batch_first=True, padding_value=-1)  # (L, R)
+            widths = [layer.keys.shape[2] - m for layer in layers]
+            before = keys.new_zeros(len(layers), keys.shape[1], max(widths), keys.shape[3], dtype=torch.float32)
+            before_pos = torch.full((len(layers), max(widths)), -1, dtype=torch.long, device=device)
+            for i, (layer, w) in enumerate(zip(layers, widths)):  # fp32 as they are copied: novelty works in fp32
+                before[i, :, :w] = layer.keys[b, :, :w]
+                before_pos[i, :w] = layer.positions[b, :w]
             keep = pick_summary(keys[:, :, :n], torch.arange(first, first + n, device=device), config.summary_tokens,
                                 "novel", rope, before, before_pos, before_pos >= row.keep[0][0])
         else:
