@@ -355,7 +355,8 @@ class ThoughtCache(KVCache):
             return
         if len(groups) > 1:  # every layer's index key in layer order
             at = torch.tensor([layer.idx for layers in groups.values() for layer in layers], device=index[0].device)
-            index = [torch.empty_like(torch.cat(index)).index_copy_(0, at, torch.cat(index))]
+            stacked = torch.cat(index)
+            index = [torch.empty_like(stacked).index_copy_(0, at, stacked)]
         self.index_rows[b].append(index[0])
         self.index_keys = None
         for layer in self.layers:

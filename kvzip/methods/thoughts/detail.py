@@ -35,11 +35,16 @@ def part_bytes(stored) -> int:
     return sum(tensor_bytes(*part) for part in stored)
 
 
+def _stateless(stores: list) -> bool:
+    """Whether the layers' tiers are all one kind that keeps no per-layer state (one call can serve every layer)."""
+    return type(stores[0]) in (DenseDetail, Int8Detail) and all(type(s) is type(stores[0]) for s in stores)
+
+
 def store_layers(stores: list, k: torch.Tensor, v: torch.Tensor, separate: bool = False) -> list:
     """One thought of several layers at once: k, v (L, Hkv, n, d), `stores` the layers' tiers -> one stored thought
     per layer. The tiers that keep no per-layer state store all layers in one pass, each layer's part a view of it
     (`separate`: a copy of its own, for layers that free their detail one by one)."""
-    if type(stores[0]) not in (DenseDetail, Int8Detail) or any(type(s) is not type(stores[0]) for s in stores):
+    if not _stateless(stores):
         return [s.store(k[i], v[i]) for i, s in enumerate(stores)]
     parts = stores[0].store(k, v)
     own = (lambda x: x.clone()) if separate else (lambda x: x)  # noqa: E731
@@ -49,10 +54,8 @@ def store_layers(stores: list, k: torch.Tensor, v: torch.Tensor, separate: bool 
 def load_layers(stores: list, stored: list, device, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One thought of several layers back on `device`: K, V (Hkv, n, d) per layer. Where the tiers keep no per-layer
     state and the parts have one shape, all layers are decoded in one pass."""
-    kind = type(stores[0])
     shapes = {tuple(x.shape for part in p for x in part) if p is not None else None for p in stored}
-    if kind not in (DenseDetail, Int8Detail) or any(type(s) is not kind for s in stores) or len(shapes) > 1 \
-            or None in shapes:
+    if not _stateless(stores) or len(shapes) > 1 or None in shapes:
         return [s.load(p, device, dtype) for s, p in zip(stores, stored)]
     parts = tuple(tuple(torch.stack(xs) for xs in zip(*(p[i] for p in stored))) for i in range(2))
     k, v = stores[0].load(parts, device, dtype)
