@@ -1,10 +1,11 @@
 """Aggregate decode throughput of a fixed batch, every method against `full` in the same run, as JSON.
 
 The batch job a serving engine is measured on: `--batch` GSM8K prompts generated to `--new-tokens` each with
-`--ignore-eos` semantics, greedy. Each repeat runs every method once in turn, `full` first, so each method's ratio is
-paired with the `full` run of its own repeat (a shared CPU's load drifts slowly); the median of the paired ratios is
-reported, for the whole decode and for its last `--end-steps` steps (the speed at the longest context, where a
-smaller cache should pay most). The JSON carries the command, commit and environment like `kvzip bench`'s, so docs
+`--ignore-eos` semantics, greedy. The methods decode in lockstep, one step of each in turn (`full` first), each with
+its own cache, and every step is timed on its own: a shared machine whose speed drifts by 10-20% within minutes then
+slows every method alike, and the ratios stay paired step by step. Each repeat does it again; the median of the
+repeats' ratios is reported, for the whole decode and for its last `--end-steps` steps (the speed at the longest
+context, where a smaller cache should pay most). The JSON carries the command, commit and environment like `kvzip bench`'s, so docs
 tables can be generated from it (scripts/results_tables.py).
 
     .venv/bin/python scripts/throughput.py --methods full,fadkv,zoomr --batch 8 --new-tokens 1024 \\
@@ -65,16 +66,8 @@ def main() -> None:
     t0 = time.perf_counter()
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for repeat in range(args.repeats):
-        for name, method, d in zip(names, methods, dicts):
-            elapsed, summary = [], None
-            for e in engine.generate(model, tokenizer, prompts, method.make_cache(model, d), settings):
-                if isinstance(e, engine.Step):
-                    elapsed.append(e.elapsed_s)
-                elif isinstance(e, engine.Summary):
-                    summary = e.stats
-            # every row decodes every step (--ignore-eos): the last end_steps steps made batch tokens each
-            summary["decode_tokens_per_s_end"] = round(
-                args.batch * args.end_steps / (elapsed[-1] - elapsed[-1 - args.end_steps]), 2)
+        for name, summary in zip(names, lockstep(engine, model, tokenizer, prompts, methods, dicts, settings,
+                                                 args.end_steps)):
             runs[name].append(summary)
             print(f"repeat {repeat + 1}: {name:8s} {summary['decode_tokens_per_s']:7.1f} tok/s "
                   f"(last {args.end_steps} steps {summary['decode_tokens_per_s_end']:7.1f}) "
@@ -109,6 +102,35 @@ def main() -> None:
     if args.json_path:
         write_atomic(args.json_path, json.dumps(data, indent=1) + "\n")
         print(f"wrote {args.json_path}")
+
+
+def lockstep(engine, model, tokenizer, prompts, methods, dicts, settings, end_steps: int) -> list[dict]:
+    """Every method generates the batch, one decode step of each in turn; returns each one's Summary stats with its
+    decode tok/s (whole decode and last `end_steps` steps) from the time spent in its own steps only."""
+    runs = [engine.generate(model, tokenizer, prompts, m.make_cache(model, d), settings) for m, d in zip(methods, dicts)]
+    steps: list[list[float]] = [[] for _ in runs]  # seconds of each decode step (the prefill's aside)
+    summaries: list[dict | None] = [None] * len(runs)
+    live = set(range(len(runs)))
+    while live:
+        for i in sorted(live):
+            t = time.perf_counter()
+            for event in runs[i]:  # up to this run's next forward
+                if isinstance(event, engine.Step):
+                    engine.sync(model.device)
+                    if event.step > 0:
+                        steps[i].append(time.perf_counter() - t)
+                    break
+                if isinstance(event, engine.Summary):
+                    summaries[i] = event.stats
+                    live.discard(i)
+                    break
+    batch = len(prompts)
+    for summary, times in zip(summaries, steps):
+        # every row decodes every step (--ignore-eos): each step made `batch` tokens
+        summary["decode_s"] = round(sum(times), 4)
+        summary["decode_tokens_per_s"] = round(batch * len(times) / sum(times), 2)
+        summary["decode_tokens_per_s_end"] = round(batch * end_steps / sum(times[-end_steps:]), 2)
+    return summaries
 
 
 if __name__ == "__main__":

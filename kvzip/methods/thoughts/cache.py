@@ -281,22 +281,31 @@ class ThoughtCache(KVCache):
             self.zoomed[b] = set(self.rows[b].zoom)
 
     def _plan_row(self, layers: list, b: int, cut: int) -> list[tuple]:
-        """Row b's active context in each of `layers`, sorted by position: the kept prompt, the tail, the layer's
-        summaries and the zoomed thoughts, none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and
-        V (Hkv, m, d) or None, how many of the sources move), sources indexing the layer's current row followed by
-        the loaded tokens. A thought
-        zoomed at the row's last gather is whole in the buffer still; only newly zoomed ones are loaded, and of those
-        only what a layer does not hold (its own summary tokens it does). All of it is planned as masks over
-        positions (L, seen + 1; the last column takes what pads a shorter layer), one read back for the counts."""
+        """Row b's active context in each of `layers`: the kept prompt, the tail, the layer's summaries and the
+        zoomed thoughts, none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and V (Hkv, m, d) or
+        None, how many of the sources move), sources indexing the layer's current row followed by the loaded tokens.
+        Order: on a full-attention layer the zoomed thoughts' other tokens (neither summary nor tail) come first, then
+        everything else by position, so a change of zoom set rewrites only the row's first slots (attention does not
+        care about order; the tail stays last and sorted). A sliding-window layer keeps the whole row by position: it
+        drops what leaves its window from the front. A thought zoomed at the row's last gather is whole in the buffer
+        still; only newly zoomed ones are loaded, and of those only what a layer does not hold (its own summary tokens
+        it does). All of it is planned as masks over positions (L, seen + 1; the last column takes what pads a
+        shorter layer), one read back for the counts."""
         row, seen, pad = self.rows[b], self.seen, torch.nn.utils.rnn.pad_sequence
         device, count = layers[0].device, len(layers)
         base = torch.zeros(seen + 1, dtype=torch.bool, device=device)
         for s, e in row.keep + [(self.tail_start[b], seen)] + [row.thoughts[t] for t in row.zoom]:
             base[s:e] = True
-        wanted = base.repeat(count, 1)
-        wanted.scatter_(1, pad([layer.summary_all[b] for layer in layers], batch_first=True, padding_value=seen), True)
+        summaries = torch.zeros(count, seen + 1, dtype=torch.bool, device=device).scatter_(
+            1, pad([layer.summary_all[b] for layer in layers], batch_first=True, padding_value=seen), True)
+        wanted = base | summaries
         wanted[:, seen] = False
         wanted[:, :cut] = False
+        aside = torch.zeros(seen + 1, dtype=torch.bool, device=device)  # zoomed tokens put first
+        if layers[0].sliding is None:
+            for t in row.zoom:
+                aside[row.thoughts[t][0] : min(row.thoughts[t][1], self.tail_start[b])] = True
+        aside = aside & ~summaries
         held_pos = pad([layer.positions[b] for layer in layers], batch_first=True, padding_value=-1)  # (L, W)
         at = torch.where(held_pos >= 0, held_pos, seen)
         held = torch.zeros_like(wanted).scatter_(1, at, True)
@@ -317,7 +326,8 @@ class ThoughtCache(KVCache):
             keep = keep | load
         widths = torch.tensor([layer.positions.shape[1] for layer in layers], device=device)
         kept = keep.sum(1)  # per layer
-        which, pos = keep.nonzero(as_tuple=True)  # by layer, then by position
+        which, pos = torch.cat([keep & aside, keep & ~aside], 1).nonzero(as_tuple=True)  # by layer, then in order
+        pos = pos.remainder(seen + 1)
         src = slot[which, pos]
         if new:
             src = torch.where(held[which, pos], src, widths[which] + loaded_at[pos])
@@ -360,9 +370,9 @@ class ThoughtCache(KVCache):
 
     def _finalize(self, b: int, t: int):
         """Thought t of row b ended in this forward (all its tokens are in the tail): every layer keeps its summary
-        and index key and moves the thought's detail off the device. Rows are sorted and right-aligned and the tail
-        holds every position from its start on, so in each layer the thought is a slice at the end of the row; layers
-        that share a RoPE, a kind of attention and that slice do it in one batched pass. (A sliding-window layer may
+        and index key and moves the thought's detail off the device. Rows are right-aligned and end with the tail,
+        sorted, which holds every position from its start on, so in each layer the thought is a slice at the end of
+        the row; layers that share a RoPE, a kind of attention and that slice do it in one batched pass. (A sliding-window layer may
         have dropped the thought's first tokens already: it works on what it still has.)"""
         start = self.rows[b].thoughts[t][0]
         groups: dict[tuple, list[ThoughtLayer]] = {}
