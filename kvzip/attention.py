@@ -118,10 +118,12 @@ def gather_mask(mask, positions):
 
 
 def leading_padding(mask, batch: int, device) -> torch.Tensor:
-    """(B,) count of left-padding positions, read from the prefill's 4D mask (all zeros when there is no mask)."""
+    """(B,) count of left-padding positions, read from the prefill's 4D mask (all zeros when there is no mask): the
+    leading positions no query of the row sees. (Not only the last query's row: a sliding-window layer's mask, Gemma
+    3's first layer, hides from it all but its window of a long prompt, padding or not.)"""
     if mask is None:
         return torch.zeros(batch, dtype=torch.long, device=device)
-    visible = mask[:, 0, -1, :] if mask.dtype == torch.bool else mask[:, 0, -1, :] == 0  # (B, kv_len)
+    visible = (mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0).any(-2)  # (B, kv_len)
     return (visible.long().cumsum(-1) == 0).sum(-1).to(device)
 
 

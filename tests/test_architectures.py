@@ -132,7 +132,12 @@ def test_every_method_generates_and_compresses_or_refuses(name, method_name):
     mem, ref = cache.memory(), full.memory()
     assert mem["full_same_dtype"] == ref["total"]  # what full holds for these tokens, sliding windows included
     if method_name != "full":
-        assert mem["total"] < ref["total"], (method_name, mem, ref)
+        assert mem["on_device"] < ref["total"], (method_name, mem, ref)
+        # A tier off the device (zoomr's detail) is memory too, but at 64 tokens on a model whose sliding-window layers
+        # already bound full's cache (Gemma 3 here: two of three layers hold 7 tokens) it can cost more than the
+        # device saves; it must stay within 10% then. On the real model the all-tier bound is tested over 700 tokens
+        # (tests/integration/test_zoomr_default_model.py).
+        assert mem["total"] < ref["total"] * (1.1 if mem.get("host") else 1.0), (method_name, mem, ref)
 
 
 def _layer_bytes(cache, i: int) -> int:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvzip import evaluate
-from kvzip.attention import causal_tail, dense_attention, grouped_attention
+from kvzip.attention import causal_tail, dense_attention, grouped_attention, leading_padding
 from kvzip.methods import get_method
 
 
@@ -87,3 +87,17 @@ def test_dense_layer_appends_into_spare_room_as_cat_would():
     layer.update(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4))
     assert layer.keys.untyped_storage().data_ptr() != room
     assert torch.equal(layer.keys[:, :, :2], ref_k[:, :, [3, 5]]) and layer.positions[0].tolist() == [3, 5, 45]
+
+
+def test_leading_padding_reads_every_query_row_of_a_sliding_window_mask():
+    """Gemma 3's first layer has a sliding window: the last query of a long prompt sees only its window, but only the
+    left padding is hidden from every query."""
+    q, window = 27, 8
+    i, j = torch.arange(q)[:, None], torch.arange(q)[None, :]
+    masks = []
+    for pad in (0, 3):
+        masks.append((j <= i) & (j > i - window) & (j >= pad) & (i >= pad))
+    mask = torch.stack(masks)[:, None]  # (B, 1, q, kv) bool
+    assert leading_padding(mask, 2, "cpu").tolist() == [0, 3]
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))  # the float form of the same mask
+    assert leading_padding(additive, 2, "cpu").tolist() == [0, 3]
