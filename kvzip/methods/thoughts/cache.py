@@ -245,15 +245,13 @@ class ThoughtCache(KVCache):
         for b, row in enumerate(self.rows):
             opens = [row.thoughts[t][0] for rb, t in self.next_finishing if rb == b]
             need.append(min([row.cur, max(self.seen - window, 0)] + opens))
-        # The tail moves by a quarter window at least, on its own schedule: a rebuild for a new zoom set leaves it
-        # where it is, so the slots after the zoomed tokens stay as they are (`_write_rows` does not touch them).
-        due = {b for b, (n, r) in enumerate(zip(need, self.rows)) if n - r.tail_from >= max(window // 4, 1)}
-        moved = sorted(due | changed)
+        moved = [b for b, (n, r) in enumerate(zip(need, self.rows))
+                 if b in changed or n - r.tail_from >= max(window // 4, 1)]
         if not self.tail_start:
             self.tail_start = [r.tail_from for r in self.rows]
         if moved:
             self.rebuilds += 1
-            for b in due:
+            for b in moved:
                 self.tail_start[b] = self.rows[b].tail_from = need[b]
             self._rebuild(moved)
         self.finishing, self.next_finishing = self.next_finishing, []
