@@ -5,7 +5,8 @@ The batch job a serving engine is measured on: `--batch` GSM8K prompts generated
 its own cache, and every step is timed on its own: a shared machine whose speed drifts by 10-20% within minutes then
 slows every method alike, and the ratios stay paired step by step. Each repeat does it again; the median of the
 repeats' ratios is reported, for the whole decode and for its last `--end-steps` steps (the speed at the longest
-context, where a smaller cache should pay most). The JSON carries the command, commit and environment like `kvzip bench`'s, so docs
+context, where a smaller cache should pay most), and the last repeat's ratio in each quarter of the decode's steps
+(where a method starts to gain or lose). The JSON carries the command, commit and environment like `kvzip bench`'s, so docs
 tables can be generated from it (scripts/results_tables.py).
 
     .venv/bin/python scripts/throughput.py --methods full,fadkv,zoomr --batch 8 --new-tokens 1024 \\
@@ -86,6 +87,10 @@ def main() -> None:
             "end_steps": args.end_steps,
             "decode_tokens_per_s_end": round(statistics.median(r["decode_tokens_per_s_end"] for r in runs[name]), 2),
             "end_speed_ratio_vs_full": round(statistics.median(end), 3),
+            # the decode in four quarters of its steps, paired with full's same quarter (the last repeat)
+            "speed_ratio_vs_full_by_quarter": [
+                round(m / f, 3) if m and f else None for m, f in
+                zip(last["decode_tokens_per_s_by_quarter"], runs["full"][-1]["decode_tokens_per_s_by_quarter"])],
             **{k: v for k, v in last.items() if k.startswith("kv_")},
             "method_stats": last.get("method_stats", {}),
         })
@@ -98,7 +103,8 @@ def main() -> None:
     }
     for r in results:
         print(f"{r['label']:8s} {r['decode_tokens_per_s']:7.1f} tok/s  {r['speed_ratio_vs_full']:.2f}x full; last "
-              f"{args.end_steps} steps {r['decode_tokens_per_s_end']:7.1f} tok/s  {r['end_speed_ratio_vs_full']:.2f}x")
+              f"{args.end_steps} steps {r['decode_tokens_per_s_end']:7.1f} tok/s  {r['end_speed_ratio_vs_full']:.2f}x; "
+              f"by quarter {' '.join(f'{q:.2f}x' for q in r['speed_ratio_vs_full_by_quarter'] if q is not None)}")
     if args.json_path:
         write_atomic(args.json_path, json.dumps(data, indent=1) + "\n")
         print(f"wrote {args.json_path}")
@@ -130,6 +136,8 @@ def lockstep(engine, model, tokenizer, prompts, methods, dicts, settings, end_st
         summary["decode_s"] = round(sum(times), 4)
         summary["decode_tokens_per_s"] = round(batch * len(times) / sum(times), 2)
         summary["decode_tokens_per_s_end"] = round(batch * end_steps / sum(times[-end_steps:]), 2)
+        quarters = [times[len(times) * q // 4 : len(times) * (q + 1) // 4] for q in range(4)]  # where speed changes
+        summary["decode_tokens_per_s_by_quarter"] = [round(batch * len(t) / sum(t), 2) if t else None for t in quarters]
     return summaries
 
 

@@ -39,3 +39,8 @@ def test_lockstep_runs_each_method_as_it_runs_alone(tiny, tokenizer, tiny_dictio
         assert summary["decode_s"] > 0
         assert summary["decode_tokens_per_s"] == pytest.approx(len(prompts) * steps / summary["decode_s"], rel=1e-2)
         assert 0 < summary["decode_tokens_per_s_end"]
+        quarters = summary["decode_tokens_per_s_by_quarter"]
+        assert len(quarters) == 4 and all(q > 0 for q in quarters)
+        # the quarters split the same steps: their times add up to the whole decode's
+        total = sum(len(prompts) * n / q for n, q in zip((5, 6, 6, 6), quarters))
+        assert total == pytest.approx(summary["decode_s"], rel=2e-2)
