@@ -6,8 +6,8 @@ its own cache, and every step is timed on its own: a shared machine whose speed 
 slows every method alike, and the ratios stay paired step by step. Each repeat does it again; the median of the
 repeats' ratios is reported, for the whole decode and for its last `--end-steps` steps (the speed at the longest
 context, where a smaller cache should pay most), and the last repeat's ratio in each quarter of the decode's steps
-(where a method starts to gain or lose). The JSON carries the command, commit and environment like `kvzip bench`'s, so docs
-tables can be generated from it (scripts/results_tables.py).
+(where a method starts to gain or lose). The JSON carries the command, commit and environment like `kvzip
+bench`'s, so docs tables can be generated from it (scripts/results_tables.py).
 
     .venv/bin/python scripts/throughput.py --methods full,fadkv,zoomr --batch 8 --new-tokens 1024 \\
         --json kvzip/bench/results/throughput_cpu.json
@@ -113,7 +113,8 @@ def main() -> None:
 def lockstep(engine, model, tokenizer, prompts, methods, dicts, settings, end_steps: int) -> list[dict]:
     """Every method generates the batch, one decode step of each in turn; returns each one's Summary stats with its
     decode tok/s (whole decode and last `end_steps` steps) from the time spent in its own steps only."""
-    runs = [engine.generate(model, tokenizer, prompts, m.make_cache(model, d), settings) for m, d in zip(methods, dicts)]
+    runs = [engine.generate(model, tokenizer, prompts, m.make_cache(model, d), settings)
+            for m, d in zip(methods, dicts)]
     steps: list[list[float]] = [[] for _ in runs]  # seconds of each decode step (the prefill's aside)
     summaries: list[dict | None] = [None] * len(runs)
     live = set(range(len(runs)))

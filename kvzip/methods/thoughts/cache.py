@@ -301,11 +301,12 @@ class ThoughtCache(KVCache):
         wanted = base | summaries
         wanted[:, seen] = False
         wanted[:, :cut] = False
-        aside = torch.zeros(seen + 1, dtype=torch.bool, device=device)  # zoomed tokens put first
-        if layers[0].sliding is None:
+        order = None  # by layer, then by position; on full-attention layers zoomed tokens first
+        if layers[0].sliding is None and row.zoom:
+            aside = torch.zeros(seen + 1, dtype=torch.bool, device=device)
             for t in row.zoom:
                 aside[row.thoughts[t][0] : min(row.thoughts[t][1], self.tail_start[b])] = True
-        aside = aside & ~summaries
+            order = aside & ~summaries
         held_pos = pad([layer.positions[b] for layer in layers], batch_first=True, padding_value=-1)  # (L, W)
         at = torch.where(held_pos >= 0, held_pos, seen)
         held = torch.zeros_like(wanted).scatter_(1, at, True)
@@ -326,8 +327,11 @@ class ThoughtCache(KVCache):
             keep = keep | load
         widths = torch.tensor([layer.positions.shape[1] for layer in layers], device=device)
         kept = keep.sum(1)  # per layer
-        which, pos = torch.cat([keep & aside, keep & ~aside], 1).nonzero(as_tuple=True)  # by layer, then in order
-        pos = pos.remainder(seen + 1)
+        if order is None:
+            which, pos = keep.nonzero(as_tuple=True)
+        else:
+            which, pos = torch.cat([keep & order, keep & ~order], 1).nonzero(as_tuple=True)
+            pos = pos.remainder(seen + 1)
         src = slot[which, pos]
         if new:
             src = torch.where(held[which, pos], src, widths[which] + loaded_at[pos])
@@ -347,10 +351,11 @@ class ThoughtCache(KVCache):
                      for t in new]  # per thought, per layer (K, V)
             # Where the loaded tokens go: their index in the layer's list and among the layer's loaded tokens. Their
             # sources point past the row; the row's gather reads slot 0 for them instead, then they are put in place.
-            from_detail = (src >= widths[which]).nonzero().squeeze(1)
+            outside = src >= widths[which]
+            from_detail = outside.nonzero().squeeze(1)
             into = (flat - (ends - kept)[which])[from_detail].split(numbers[2])
             origin = (src[from_detail] - widths[which[from_detail]]).split(numbers[2])
-            src = src.masked_fill(src >= widths[which], 0)
+            src = src.masked_fill(outside, 0)
             loaded = [(torch.cat([part[i][0] for part in parts], 1), torch.cat([part[i][1] for part in parts], 1),
                        into[i], origin[i]) if numbers[2][i] else None for i in range(count)]
         return list(zip(pos.split(counts), src.split(counts), loaded, moving))
@@ -372,8 +377,8 @@ class ThoughtCache(KVCache):
         """Thought t of row b ended in this forward (all its tokens are in the tail): every layer keeps its summary
         and index key and moves the thought's detail off the device. Rows are right-aligned and end with the tail,
         sorted, which holds every position from its start on, so in each layer the thought is a slice at the end of
-        the row; layers that share a RoPE, a kind of attention and that slice do it in one batched pass. (A sliding-window layer may
-        have dropped the thought's first tokens already: it works on what it still has.)"""
+        the row; layers that share a RoPE, a kind of attention and that slice do it in one batched pass. (A
+        sliding-window layer may have dropped the thought's first tokens already: it works on what it still has.)"""
         start = self.rows[b].thoughts[t][0]
         groups: dict[tuple, list[ThoughtLayer]] = {}
         for layer in self.layers:
