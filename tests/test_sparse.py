@@ -230,3 +230,25 @@ def test_grouped_dictionaries_code_as_each_group_alone(coder):
         torch.testing.assert_close(coef[g], want_coef, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(grouped.reconstruct(idx[g].view(1 * m, s).repeat(6, 1), coef[g].repeat(6, 1))
                                    .view(6, m, d)[g], reconstruct(D, want_idx, want_coef), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [64, 66])
+def test_grouped_omp_without_overlays_reads_gram_rows(size):
+    """With no overlay atom live (Lexico's static dictionary), OMP over Grouped dictionaries reads its Gram rows from
+    the shared Gram matrices and codes each group as OMP with that layer's dictionary alone; atoms past N (empty
+    appended slots) are zero vectors, whose Gram rows are zero."""
+    from kvzip.sparse.atoms import Grouped
+
+    N, d, s, m = 64, 16, 6, 20
+    atoms = torch.stack([_dict(N, d, seed=3), _dict(N, d, seed=4)])
+    grams = torch.stack([gram_matrix(a) for a in atoms])
+    grouped = Grouped(atoms, torch.full((2, 3, 2), -1), torch.zeros(2, 3, 2, d), size, grams, torch.tensor([0, 1]))
+    j = torch.tensor([[0], [N - 1], [size - 1]]).repeat(2, 1)  # one vector per group, the last an empty slot
+    want = grouped.correlations(grouped.table[grouped._rows(j)].view(6, 1, d))
+    torch.testing.assert_close(grouped.pool(None, 6).row(j), want, rtol=1e-5, atol=1e-6)
+    x = torch.randn(6, m, d, generator=torch.Generator().manual_seed(6))
+    idx, coef = omp(x, grouped, s)
+    for g in range(6):
+        want_idx, want_coef = omp(x[g], atoms[g // 3], s, gram=grams[g // 3])
+        assert torch.equal(idx[g], want_idx), g
+        torch.testing.assert_close(coef[g], want_coef, rtol=1e-4, atol=1e-5)

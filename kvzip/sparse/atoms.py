@@ -115,6 +115,8 @@ class Grouped:
         norms = self.norms()
         if pool is None:  # every atom (OMP): a Gram row is the new atom's correlations with its group's atoms
             diag = norms[self.index].repeat_interleave(m // self.groups, 0)  # (M, size)
+            if not self.live[0].numel():  # shared atoms only (Lexico's static dictionary, any prefill without
+                return PoolGram(diag, self._gram_rows, None)  # overlays): read Gram rows, no product per step
 
             def every(j):
                 v = self.table[self._rows(j)]  # (M, 1, d)
@@ -140,6 +142,17 @@ class Grouped:
             return out
 
         return PoolGram(norms[rows], lambda j: entries(pool.gather(1, j)).squeeze(1), entries)
+
+    def _gram_rows(self, j: torch.Tensor) -> torch.Tensor:
+        """Atom numbers j (M, 1) of M = G x m vectors (group-major), no overlay atom live -> (M, size): each atom's
+        Gram row in its group's block, zero for atoms past N (appended slots hold the zero vector)."""
+        N = self.n
+        j = j.squeeze(1)
+        group = self._group(j.shape[0], j.device)
+        out = self.grams.view(-1, N).index_select(0, self.gram_at[group] // N + j.clamp(max=N - 1))
+        if self.size > N:
+            out = torch.cat([out * (j < N)[:, None], out.new_zeros(out.shape[0], self.size - N)], 1)
+        return out
 
 
 class PoolGram:
