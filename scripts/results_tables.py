@@ -74,6 +74,9 @@ COLUMNS = {
     "kv_vs_fp16": Column("KV / fp16 full"),
     "kv_bytes_peak": Column("KV peak", "bytes"),
     "kv_bytes_device_peak": Column("device KV peak", "bytes"),
+    "batch_in_budget": Column("batch in budget", "{}"),
+    "rows_device_tier": Column("batch if device KV alone counted", "{}"),
+    "peak_vs_budget": Column("KV peak / budget", "{:.2f}"),
     "top1_agreement": Column("top-1"),
     "ppl": Column("ppl", "{:.2f}"),
     "kl": Column("KL", "{:.4f}"),
@@ -91,12 +94,16 @@ DERIVED = {
     "kv_vs_full": _ratio("kv_bytes_peak", "kv_bytes_full"),
     "device_vs_full": _ratio("kv_bytes_device_peak", "kv_bytes_full"),
     "kv_vs_fp16": _ratio("kv_bytes_peak", "kv_bytes_fp16_full"),
+    # the capacity workload's batch (other workloads' `rows` is the batch they were given, not one that fits)
+    "batch_in_budget": lambda record, env: record.get("rows") if "kv_budget" in record else None,
+    "peak_vs_budget": _ratio("kv_bytes_peak", "kv_budget"),
 }
 MEMORY = ("kv_vs_full", "device_vs_full", "kv_vs_fp16", "kv_bytes_peak", "kv_bytes_device_peak")
 # The summary view: memory from the first quality workload present, then each workload's headline fields.
 QUALITY = ("top1_agreement", "ppl", "kl")
 HEADLINE = {"output": QUALITY, "prompt": QUALITY, "ppl": QUALITY, "reasoning": ("greedy_agreement", "gsm8k_accuracy"),
-            "recall": ("recall_accuracy",), "speed": ("speed_ratio_vs_full", "ttft_ratio_vs_full")}
+            "recall": ("recall_accuracy",), "speed": ("speed_ratio_vs_full", "ttft_ratio_vs_full"),
+            "capacity": ("batch_in_budget", "peak_vs_budget", "speed_ratio_vs_full")}
 
 
 def value(record: dict, key: str, env: dict):
@@ -279,7 +286,8 @@ def render(attrs: dict, md_path: Path, root: Path) -> str:
         png = path.with_suffix(".png")
         if not png.is_file():
             raise BlockError(f"plot=yes but {Path(rel_json).with_suffix('.png')} does not exist")
-        lines.append(f"![top-1 agreement vs KV bytes, from {path.name}]({os.path.relpath(png, md_path.parent)})")
+        what = "throughput at equal KV memory" if attrs.get("workload") == "capacity" else "top-1 agreement vs KV bytes"
+        lines.append(f"![{what}, from {path.name}]({os.path.relpath(png, md_path.parent)})")
         lines.append("")
     lines += caption(data, rel_json, view, attrs) + [""] + VIEWS[view](data, attrs)
     extra = notes(data, None if view == "summary" else attrs.get("workload"))

@@ -8,6 +8,7 @@ integration test on the real model.
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -95,10 +96,32 @@ def test_capacity_fills_the_budget_full_needs_for_eight_rows(tiny_run):
     assert full["kv_budget"] == 8 * full["kv_bytes_per_row"] and full["rows"] == 8 and full["fits"]
     for label, r in cap.items():
         assert r["kv_budget"] == full["kv_budget"]  # one budget for every method
-        assert r["rows"] == min(24, r["kv_budget"] // r["kv_bytes_per_row"]) and r["new_tokens"] == 40 * r["rows"]
+        first = r["tries"][0]["rows"]
+        assert first == min(24, r["kv_budget"] // r["kv_bytes_per_row"]) and r["new_tokens"] == 40 * r["rows"]
+        assert r["rows"] == r["tries"][-1]["rows"] and (r["fits"] or len(r["tries"]) == 3 or r["rows"] == 1)
         assert r["rows_device_tier"] >= r["rows"]
         if r["method"] in ("window", "h2o", "hf-int2") and not r["rows_capped"]:
             assert r["rows"] > 8, label  # a smaller cache buys a larger batch
+
+
+def test_capacity_shrinks_a_batch_that_overshoots_the_budget(monkeypatch):
+    """A batch that holds more per row than the one-row probe is measured again, smaller by what it overshot."""
+    from kvzip.bench import workloads
+
+    ran = []
+
+    def fake_run(ctx, method, dictionaries, prompts, settings):
+        ran.append(len(prompts))
+        per_row = 100 if len(prompts) == 1 else 130  # a batch pads its rows: 30% more per row
+        return [], {"kv_bytes_peak": per_row * len(prompts), "kv_bytes_device_peak": per_row * len(prompts),
+                    "decode_tokens_per_s": float(len(prompts)), "new_tokens": 4 * len(prompts)}, []
+
+    monkeypatch.setattr(workloads, "_run_generate", fake_run)
+    monkeypatch.setattr(workloads, "capacity_prompts", lambda ctx, rows: [[1]] * rows)
+    ctx = types.SimpleNamespace(cfg=BenchConfig(capacity_tokens=4), ref={"capacity_budget": 1600})
+    r = workloads.capacity(ctx, "m", None, None)
+    assert ran == [1, 16, 12] and r["rows"] == 12 and r["fits"] and r["kv_bytes_peak"] == 1560
+    assert [t["rows"] for t in r["tries"]] == [16, 12] and r["decode_tokens_per_s"] == 12.0
 
 
 def test_progress_counts_up_to_the_total(tiny_run):
@@ -120,6 +143,18 @@ def test_table_marks_the_best_and_plot_draws_the_front(tiny_run, tmp_path):
 
     capacity_plot(data, tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_option_draws_what_ran(tiny_run, tmp_path):
+    """--plot: the quality plot at the path and the capacity plot beside it; with capacity alone, that at the path."""
+    from kvzip.cli.bench import _save_plots
+
+    data, _ = tiny_run
+    both = _save_plots(data, tmp_path / "a.png", ("output", "capacity"))
+    assert len(both) == 2 and {p.name for p in tmp_path.iterdir()} == {"a.png", "a-capacity.png"}
+    only = _save_plots(data, tmp_path / "b.png", ("capacity",))
+    assert only == [f"wrote {tmp_path / 'b.png'} (throughput at equal KV memory)"]
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "b-capacity.png").exists()
 
 
 def test_best_marks_directions_and_ties():

@@ -157,7 +157,8 @@ def capacity_plot(data: dict, path) -> None:
     values = [r["decode_tokens_per_s"] for r in records]
     bars = ax.bar(range(len(records)), values, color=["tab:gray" if r["label"] == "full" else "tab:blue" for r in records])
     for bar, r in zip(bars, records):
-        ax.annotate(f"{r['rows']} rows", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        over = "" if r.get("fits", True) else f", peak {r['kv_bytes_peak'] / r['kv_budget']:.2f}x budget"
+        ax.annotate(f"{r['rows']} rows{over}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
     ax.set_xticks(range(len(records)), labels, rotation=30, ha="right", fontsize=8)
     env = data.get("environment", {})

@@ -92,16 +92,23 @@ def _table(data: dict):
     return table
 
 
-def _save_plot(data: dict, path: Path) -> list[str]:
-    """The quality-vs-memory plot at `path`; with the capacity workload, throughput at equal memory beside it."""
+def _save_plots(data: dict, path: Path, workloads) -> list[str]:
+    """What `--plot` draws, one line per file written: quality against memory at `path` when the output workload
+    ran; throughput at equal memory when the capacity workload did, beside it (or at `path` when it is the only
+    plot)."""
     from kvzip.bench.report import capacity_plot, plot
 
-    with atomic_path(path) as tmp:
-        front = plot(data, tmp)
-    if any(r["workload"] == "capacity" for r in data["results"]):
-        with atomic_path(capacity_plot_path(path)) as tmp:
+    written = []
+    if "output" in workloads:
+        with atomic_path(path) as tmp:
+            front = plot(data, tmp)
+        written.append(f"wrote {path} (Pareto front: {', '.join(front)})")
+    if any(r["workload"] == "capacity" and r.get("decode_tokens_per_s") for r in data["results"]):
+        where = capacity_plot_path(path) if "output" in workloads else path
+        with atomic_path(where) as tmp:
             capacity_plot(data, tmp)
-    return front
+        written.append(f"wrote {where} (throughput at equal KV memory)")
+    return written
 
 
 def capacity_plot_path(path: Path) -> Path:
@@ -113,7 +120,7 @@ def bench(
     methods: Annotated[Optional[str], typer.Option("--methods", help="Comma-separated methods (default: all registered; full always runs).")] = None,
     opt: Annotated[Optional[list[str]], typer.Option("--opt", help="method.key=value for a method in --methods, repeatable.")] = None,
     method_set: Annotated[Optional[list[str]], typer.Option("--method-set", help='One more setting, "method:key=value,key=value", repeatable.')] = None,
-    workloads: Annotated[Optional[str], typer.Option("--workloads", help="Comma-separated: output, prompt, reasoning, recall, speed (default: all).")] = None,
+    workloads: Annotated[Optional[str], typer.Option("--workloads", help="Comma-separated: output, prompt, reasoning, recall, speed, capacity (default: all).")] = None,
     output_tokens: Annotated[Optional[str], typer.Option("--output-tokens", help="Teacher-forced output lengths of the output workload, e.g. 1024,4096 (default 1024,4096,8192; --quick 768).")] = None,
     rows: Annotated[Optional[int], typer.Option("--rows", help="Texts fed as one batch in the output workload (default 2).")] = None,
     contexts: Annotated[Optional[str], typer.Option("--contexts", help="Context lengths for prompt and speed, e.g. 1024,4096 (default 1024,4096,8192; --quick 640 for prompt, 1024 for speed).")] = None,
@@ -123,7 +130,7 @@ def bench(
     capacity_tokens: Annotated[Optional[int], typer.Option("--capacity-tokens", help="New tokens per row in the capacity workload (default 1024; --quick 256).")] = None,
     repeats: Annotated[Optional[int], typer.Option("--repeats", help="Paired speed measurements per context, median reported (default 2; --quick 1).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the resolved config and every figure here (atomic).")] = None,
-    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="PNG: top-1 agreement vs KV memory, Pareto front drawn.")] = None,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="PNG: top-1 agreement vs KV memory, Pareto front drawn; with the capacity workload, throughput at equal memory beside it (NAME-capacity.png), or here when output did not run.")] = None,
     model: Model = "smollm2-135m",
     dict_path: DictPath = None,
     device: Device = "auto",
@@ -139,8 +146,9 @@ def bench(
     if plot_path is not None:
         if plot_path.suffix.lower() != ".png":
             raise UserError(f"--plot writes a PNG: give a path ending in .png, got {plot_path}")
-        if "output" not in cfg.workloads:
-            raise UserError("--plot needs the output workload (top-1 agreement vs KV memory): add output to --workloads")
+        if "output" not in cfg.workloads and "capacity" not in cfg.workloads:
+            raise UserError("--plot needs the output workload (top-1 agreement vs KV memory) or the capacity workload "
+                            "(throughput at equal KV memory): add one to --workloads")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -183,10 +191,8 @@ def bench(
         write_atomic(json_path, json.dumps(data, indent=1) + "\n")
         display.console.print(f"wrote {json_path}")
     if plot_path is not None:
-        front = _save_plot(data, plot_path)
-        display.console.print(f"wrote {plot_path} (Pareto front: {', '.join(front)})")
-        if capacity_plot_path(plot_path).exists() and "capacity" in cfg.workloads:
-            display.console.print(f"wrote {capacity_plot_path(plot_path)} (throughput at equal KV memory)")
+        for line in _save_plots(data, plot_path, cfg.workloads):
+            display.console.print(line)
     if data["interrupted"]:
         display.console.print(f"[yellow]interrupted[/yellow]: {len(data['results'])} finished records kept")
         raise typer.Exit(130)
