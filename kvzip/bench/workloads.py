@@ -293,7 +293,7 @@ def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
         "rows": rows,  # the largest batch whose bytes, all tiers, fit the budget (the last try)
         "rows_device_tier": int(min(cfg.capacity_max_rows, budget // max(per_row_device, 1))),
         "rows_capped": rows == cfg.capacity_max_rows,
-        "fits": summary["kv_bytes_peak"] <= budget,
+        "fits": peak <= budget,
         "tries": tries,  # each batch measured, until one fit
         "single_row_decode_tokens_per_s": probe["decode_tokens_per_s"],
         "new_tokens": summary["new_tokens"],
