@@ -22,6 +22,8 @@ from kvzip.rope import attention_windows, visible_from
 
 
 class H2OLayer(WindowLayer):
+    ROW_TENSORS = WindowLayer.ROW_TENSORS + ("score",)
+
     def __init__(self, heavy: int, window: int, sliding: int | None = None):
         super().__init__(sinks=0, window=window, sliding=sliding)
         self.heavy = heavy

@@ -19,11 +19,17 @@ from kvzip.rope import attention_windows, visible_from
 
 
 class WindowLayer(DenseLayer):
+    ROW_TENSORS = DenseLayer.ROW_TENSORS + ("pad",)
+
     def __init__(self, sinks: int, window: int, sliding: int | None = None):
         super().__init__(sliding)
         self.sinks, self.window = sinks, window
         self.evicted = 0
         self.pad = None  # (B,) left-padding tokens still stored at the front of each row
+
+    def reset(self) -> None:
+        super().reset()
+        self.evicted, self.pad = 0, None
 
     def attend(self, module, query, key, value, mask, scaling):
         if self.pad is None:
