@@ -33,18 +33,21 @@ from dataclasses import dataclass
 
 import torch
 
+from kvzip import kernels
 from kvzip.attention import causal_tail, dense_attention, gather_mask
 from kvzip.errors import UserError
 from kvzip.methods.base import DenseLayer, KVCache, Method, check_choice, check_positive, model_layout, tensor_bytes
 from kvzip.methods.coded.coding import ADAPT, CodingStats
 from kvzip.methods.coded.compress import compress
 from kvzip.methods.coded.state import CodedKind
-from kvzip.rope import attention_windows, as_rope, layer_ropes, phasors, to_pairs, turn_pairs, visible_from
+from kvzip.rope import (angles, attention_windows, as_rope, from_pairs, layer_ropes, phasors, to_pairs, turn_pairs,
+                        visible_from)
 from kvzip.sparse import CACHE_CODERS, KEY_MODES, KEY_OPTIONS, attention as coded
 from kvzip.sparse.dictionary import LayerAtoms, prepare_layers
 from kvzip.sparse.omp import reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS
 
+KERNELS = ("auto", "torch")
 # pre-RoPE scores rebuild at most this many coded keys at a time (per row and KV head): never a dense copy of the past
 SCORE_CHUNK = 2048
 
@@ -127,6 +130,8 @@ class FadkvLayer(DenseLayer):
             out = dense_attention(query, self.keys.to(query.dtype), self.values.to(query.dtype), mask, scaling,
                                   positions=self.positions)
             return out.nan_to_num(0.0)  # a left-padding query sees nothing: keep its (never used) output finite
+        if q == 1 and self._fused():
+            return self._fused_attention(query, mask, scaling)
         h = self.kv_heads
         g = hq // h
         # (B, H, g*q, d): query heads grouped under their KV head, scaled once here rather than every score
@@ -162,6 +167,46 @@ class FadkvLayer(DenseLayer):
             w_atoms = coded.atom_weights(w_coded, v_idx.long(), coded.dequantize(v_st, None), values.n_total() + 1)
             out = out + values.values_from_atoms(w_atoms)
         return out.view(b, h, g, q, d).reshape(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous()
+
+    def _fused(self) -> bool:
+        """Whether one new token's attention runs in the fused CPU kernel (kvzip/kernels) rather than the PyTorch
+        reference below: `kernel=auto`, on the CPU, int8 or fp16 coefficients, and the kernel built."""
+        return (self.cfg.kernel == "auto" and self.keys.device.type == "cpu"
+                and self.coded_keys.codes.stored.dtype in (torch.int8, torch.float16) and kernels.available())
+
+    def _fused_attention(self, query, mask, scaling):
+        """query (B, Hq, 1, d) -> (B, 1, Hq, d) by `torch.ops.kvzip.coded_decode_attention`: the same attention as
+        the reference path, in one pass per row and KV head."""
+        b, hq, _, d = query.shape
+        h = self.kv_heads
+        qg = (query.float().reshape(b, h, hq // h, d) * scaling).contiguous()  # (B, H, G, d)
+        positions = torch.cat([self.coded_pos, self.positions], 1)
+        width = positions.shape[1]
+        allowed = self._allowed(mask, positions, 1, width, query.device)
+        allowed = (torch.ones(b, width, dtype=torch.bool, device=query.device) if allowed is None
+                   else allowed.expand(b, 1, width).reshape(b, width).contiguous())
+        dim = None if self.rope is None else self.rope.dim  # pre-RoPE: the kernel turns keys in the model's order
+        (k_table, k_index), (v_table, v_index) = self.coded_keys.lookup(dim), self.coded_values.lookup()
+        k, v = self.coded_keys.codes, self.coded_values.codes
+        if self.key_mean is not None and "mean" not in self.__dict__:
+            mean = self.key_mean.float()
+            self.mean = (mean if dim is None else from_pairs(mean, dim)).contiguous()
+        out = torch.ops.kvzip.coded_decode_attention(
+            qg, k.idx, k.stored, k.scale, k_table, k_index, v.idx, v.stored, v.scale, v_table, v_index,
+            None if self.key_mean is None else self.mean,
+            None if self.rope is None else self._rope_cs(), self.coded_pos, self.keys, self.values, allowed)
+        return out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
+
+    def _rope_cs(self) -> torch.Tensor:
+        """(P, 2, dim/2) fp32: RoPE's scaled cos and sin at every position up to the newest, for the fused kernel;
+        shared by the layers with this RoPE and kept across steps, grown by 1,024 positions when outgrown."""
+        key = ("cs", id(self.rope))
+        table = self.rope_memo.get(key)
+        if table is None or table.shape[0] < self.seen:
+            cos, sin = angles(torch.arange(self.seen + 1024, device=self.keys.device), self.rope.inv_freq)
+            table = torch.stack([cos, sin], 1).mul_(self.rope.scale).contiguous()
+            self.rope_memo[key] = table
+        return table
 
     def _rebuilt_chunks(self, kind: CodedKind):
         """Yield (slice, vectors (B, H, Tc, d)) for each chunk of SCORE_CHUNK coded tokens, rebuilt from their codes
@@ -206,13 +251,14 @@ class FadkvLayer(DenseLayer):
         """RoPE turns (B, T, dim/2) complex of the coded tokens' positions. Layers with the same RoPE and window code
         the same positions, so the table is computed by the first of them in a forward and reused by the others (kept
         only until the next step)."""
-        if self.rope_memo.get("seen") != self.seen:
-            self.rope_memo.clear()
-            self.rope_memo["seen"] = self.seen
+        memo = self.rope_memo.setdefault("step", {})
+        if memo.get("seen") != self.seen:
+            memo.clear()
+            memo["seen"] = self.seen
         key = (id(self.rope), self.sliding, self.coded_pos.shape[1])
-        if key not in self.rope_memo:
-            self.rope_memo[key] = phasors(self.coded_pos, self.rope)
-        return self.rope_memo[key]
+        if key not in memo:
+            memo[key] = phasors(self.coded_pos, self.rope)
+        return memo[key]
 
     @staticmethod
     def _allowed(mask, positions, q, width, device):
@@ -294,6 +340,7 @@ class Fadkv(Method):
     code_chunk: int = 32
     sinks: int = 4
     keys: str = "auto"  # auto: as the dictionary was trained; the default file is the pre-RoPE one when shipped
+    kernel: str = "auto"  # auto: decode attention in the fused CPU kernel where it runs (kvzip/kernels); torch: never
     preferred_keys: typing.ClassVar[str] = "pre-rope"
 
     def __post_init__(self):
@@ -303,6 +350,7 @@ class Fadkv(Method):
         check_choice("adapt", self.adapt, ADAPT)
         check_choice("screen_shots", self.screen_shots, SHOTS)
         check_choice("screen_pick", self.screen_pick, PICKS)
+        check_choice("kernel", self.kernel, KERNELS)
         if self.value_sparsity < 0:
             raise ValueError(f"value_sparsity must be >= 0 (0: the same as sparsity), got {self.value_sparsity}")
         check_positive(sparsity=self.sparsity, screen_pool=self.screen_pool, code_chunk=self.code_chunk,
