@@ -17,10 +17,12 @@ from kvzip.methods.rkv import RKVLayer
 
 
 def prefill(layer: RKVLayer, keys, queries, scaling=1.0):
-    """Feed one prompt of hand-built keys (values = keys) and queries (B, Hq, T, d) straight into the layer."""
+    """Feed one prompt of hand-built keys (values = keys) and queries (B, Hq, T, d) straight into the layer, then
+    compress it as the cache does after a prompt's forward."""
     layer.update(keys, keys)
     with torch.inference_mode():
         layer.attend(None, queries, keys, keys, None, scaling)
+        layer.compress()
     return layer.positions
 
 
@@ -32,7 +34,7 @@ def test_an_older_near_copy_is_evicted_before_a_unique_key():
     keys = torch.stack([head0, head1])[None]  # (1, 2, 5, 4)
     queries = torch.zeros(1, 2, 5, 4)  # head 1's zero query attends to every token alike: equal importance
     queries[0, 0, -1] = e[1]  # head 0's attends to token 1 a little more than to its later near-copy
-    layer = RKVLayer(budget=4, buffer=8, window=1, mix=0.1, pool=1)
+    layer = RKVLayer(budget=4, window=1, mix=0.1, pool=1)
     positions = prefill(layer, keys, queries)
     # Each head drops its own older copy, head 0's though it gets more attention than the newer one.
     assert positions[0].tolist() == [[0, 2, 3, 4], [1, 2, 3, 4]]
@@ -43,7 +45,7 @@ def test_mix_one_keeps_the_tokens_the_window_attends_to_most():
     g = torch.Generator().manual_seed(0)
     keys, queries = torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 4, 12, 8, generator=g)
     scaling = 8 ** -0.5
-    layer = RKVLayer(budget=7, buffer=8, window=3, mix=1.0, pool=1)
+    layer = RKVLayer(budget=7, window=3, mix=1.0, pool=1)
     positions = prefill(layer, keys, queries, scaling)
     # The attention of the last 3 queries (positions 9-11, causal), averaged over them and each KV head's 2 query heads.
     logits = queries[:, :, 9:] @ keys.repeat_interleave(2, dim=1).transpose(-1, -2) * scaling  # (1, 4, 3, 12)
@@ -52,7 +54,7 @@ def test_mix_one_keeps_the_tokens_the_window_attends_to_most():
     best = attn[..., :9].topk(4, dim=-1).indices.sort(-1).values
     assert positions.tolist() == torch.cat([best, torch.tensor([9, 10, 11]).expand(1, 2, 3)], -1).tolist()
     assert not torch.equal(positions[0, 0], positions[0, 1])  # each head keeps its own tokens
-    layer = RKVLayer(budget=7, buffer=8, window=3, mix=0.1, pool=1)  # with redundancy, not the same choice here
+    layer = RKVLayer(budget=7, window=3, mix=0.1, pool=1)  # with redundancy, not the same choice here
     assert not torch.equal(prefill(layer, keys, queries, scaling), positions)
 
 
@@ -84,6 +86,35 @@ def test_compresses_after_the_prompt_and_every_buffer_tokens(tiny, tokenizer):
     assert layer.queries.shape[2] == 4 and torch.equal(layer.positions[:, :, -4:], torch.arange(48, 52).expand(2, 2, 4))
     assert layer.memory() == {"device": tensor_bytes(layer.keys, layer.values, layer.queries)}
     assert cache.stats()["evicted_tokens"] == layer.evicted == (32 - 16) + 2 * 8
+
+
+def test_reordered_rows_take_their_observation_queries_along(tiny, tokenizer):
+    """Rows swapped just before the step after which they compress (buffer 8: the 8th): 3 of the 4 queries scored
+    there (attention only, mix=1) were stored before the swap and must have moved with their rows, or the rows keep
+    other tokens than a batch built swapped (the lifecycle test swaps long before one, when the window's queries have
+    all been replaced)."""
+    text = "".join(f"Line {i}: the tiny model reads a short line.\n\n" for i in range(3))
+    prompts = [tokenizer(text[:40])["input_ids"], tokenizer(text[40:80])["input_ids"]]
+    forced = torch.tensor(tokenizer(text)["input_ids"][1:21]).view(10, 2)  # (steps, B)
+
+    def run(rows, swap_at=None):
+        cache = get_method("rkv", {"budget": "16", "buffer": "8", "window": "4", "mix": "1"}).make_cache(tiny)
+        stream = Stream(tiny, tokenizer, cache)
+        logits = [stream.prefill([prompts[r] for r in rows])]
+        for i, ids in enumerate(forced):
+            if i == swap_at:
+                swap = torch.tensor([1, 0])
+                cache.reorder_cache(swap)
+                stream.mask = stream.mask.index_select(0, swap)
+                rows = rows[::-1]
+            logits.append(stream.step(ids[rows], texts=["", ""]))
+        return torch.stack(logits), cache
+
+    with torch.inference_mode():
+        got, swapped = run([0, 1], swap_at=7)
+        want, built = run([1, 0])
+    assert all(torch.equal(a.positions, b.positions) for a, b in zip(swapped.layers, built.layers))
+    torch.testing.assert_close(got[8:], want[8:], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("opts, error", [

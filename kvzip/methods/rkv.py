@@ -8,10 +8,11 @@ averaged over those queries and the query heads of the KV head, max-pooled over 
 how closely a later token's key repeats its key (the largest cosine similarity with the keys after it, as a softmax
 over the candidates so that both terms are distributions). The score is mix * importance - (1 - mix) * redundancy; the
 best `budget - window` stay with the window. Each head keeps its own tokens, the same count, so the batch stays a
-dense (B, H, S, d) tensor with positions (B, H, S). A compression runs after every prompt (the prompt is evictable
-like any token: one budget for the whole cache) and after every `buffer` decoded tokens, counted from the prompt, so
-that a row compresses at the same steps alone or in a left-padded batch. Padding and what a sliding-window layer's
-next query cannot see are never candidates. Defaults and why: docs/rkv.md.
+dense (B, H, S, d) tensor with positions (B, H, S). A layer's forward only attends and keeps its query; the cache
+compresses every layer in `after_forward`, after every prompt (the prompt is evictable like any token: one budget for
+the whole cache) and after every `buffer` decoded tokens, counted from the prompt, so that a row compresses at the same
+steps alone or in a left-padded batch. Padding and what a sliding-window layer's next query cannot see are never
+candidates. Defaults and why: docs/rkv.md.
 """
 
 from __future__ import annotations
@@ -88,12 +89,17 @@ def per_head_attention(query, keys, values, allowed, scaling):
 
 
 class RKVLayer(WindowLayer):
-    def __init__(self, budget: int, buffer: int, window: int, mix: float, pool: int, sliding: int | None = None):
+    ROW_TENSORS = WindowLayer.ROW_TENSORS + ("first", "queries")
+
+    def __init__(self, budget: int, window: int, mix: float, pool: int, sliding: int | None = None):
         super().__init__(sinks=0, window=window, sliding=sliding)
-        self.budget, self.buffer, self.mix, self.pool = budget, buffer, mix, pool
+        self.budget, self.mix, self.pool = budget, mix, pool
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
         self.first = None  # (B,) position of each row's first real token, from the first forward's mask
         self.queries = None  # (B, Hq, <= window, d) the observation window's queries
-        self.since = 0  # tokens decoded since the last compression
         self.per_head = False  # whether the heads of a row hold different tokens yet
 
     @staticmethod
@@ -117,7 +123,6 @@ class RKVLayer(WindowLayer):
 
     def attend(self, module, query, key, value, mask, scaling):
         b, hq, q, d = query.shape
-        prompt = q > 1 or self.first is None  # a first forward of one token is a prompt too, as in a batch
         if self.first is None:
             self.first = leading_padding(mask, self.batch, self.device)
             self.queries = query.new_zeros(b, hq, 0, d)
@@ -128,11 +133,6 @@ class RKVLayer(WindowLayer):
         self.scaling = scaling
         self.extend("queries", query[:, :, -self.window:])
         self.queries = self.queries[:, :, -self.window:]
-        self.since += q
-        if prompt or self.since >= self.buffer:
-            self._evict()
-            self.since = 0
-        self._slide()
         return out
 
     def _allowed(self, mask, q: int):
@@ -144,7 +144,8 @@ class RKVLayer(WindowLayer):
             return mask.expand(b, h, q, mask.shape[-1]).gather(-1, index)
         return causal_tail(q, s, self.device) if q > 1 else None
 
-    def _evict(self):
+    def compress(self):
+        """Keep per KV head the `budget - window` best-scored tokens and the observation window, if it holds more."""
         stored = self.keys.shape[2]
         recent = min(self.window, stored)
         old, top = stored - recent, self.budget - self.window
@@ -173,6 +174,34 @@ class RKVLayer(WindowLayer):
         return {"device": tensor_bytes(self.keys, self.values, self.queries)}
 
 
+class RKVCache(WindowCache):
+    """Counts the tokens decoded since the last compression; after a prompt's forward, or once `buffer` tokens have
+    been decoded, every layer compresses. Sliding-window layers drop what their next query cannot see after every
+    forward."""
+
+    def __init__(self, layers: list[RKVLayer], method: "RKV"):
+        super().__init__(layers, method)
+        self.since, self.fed, self.prompt = 0, 0, False
+
+    def before_forward(self, attention_mask, new_tokens: int) -> None:
+        # A prompt: more than one token, or a cache's first forward (a one-token prompt alone is one in a batch too).
+        self.fed, self.prompt = new_tokens, new_tokens > 1 or not self.layers[0].is_initialized
+
+    def after_forward(self) -> None:
+        self.since += self.fed
+        due = self.prompt or self.since >= self.method.buffer
+        for layer in self.layers:
+            if due:
+                layer.compress()
+            layer._slide()
+        if due:
+            self.since = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.since = 0
+
+
 @dataclass
 class RKV(Method):
     """R-KV: per-head budgeted eviction by recent attention minus key redundancy, every `buffer` tokens."""
@@ -199,5 +228,4 @@ class RKV(Method):
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         windows = attention_windows(model, self.name)
-        return WindowCache([RKVLayer(self.budget, self.buffer, self.window, self.mix, self.pool, w) for w in windows],
-                           self)
+        return RKVCache([RKVLayer(self.budget, self.window, self.mix, self.pool, w) for w in windows], self)
