@@ -6,6 +6,8 @@ those in one pass per (row, KV head) or per vector, registered as `torch.ops.kvz
 
 - `coded_decode_attention` (coded_attention.cpp): one new token's attention over coded keys and values plus the
   dense tier, pre-RoPE keys rebuilt and turned in registers, values in atom space.
+- `screen_pursue` (screen_coder.cpp): the screening coder's pursuit on each vector's candidate pool, with an explicit
+  residual, one vector per pass (the correlations with every atom stay one batched product in PyTorch).
 
 The plain PyTorch code stays the reference every kernel is tested against (tests/test_kernels.py), and it is what
 runs where a kernel cannot be built (no C++ compiler, a torch without its headers) or does not apply (CUDA, a
@@ -24,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("coded_attention.cpp",)
+SOURCES = ("coded_attention.cpp", "screen_coder.cpp")
+OPS = ("coded_decode_attention", "screen_pursue")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno")
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "ok": bool once tried, "why": the reason it is not available
@@ -57,7 +60,7 @@ def available() -> bool:
             else:
                 try:
                     _build()
-                    _STATE.update(ok=hasattr(torch.ops.kvzip, "coded_decode_attention"), why="")
+                    _STATE.update(ok=all(hasattr(torch.ops.kvzip, op) for op in OPS), why="")
                 except Exception as exc:  # a missing compiler or header: the reference path still works
                     first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
                     _STATE.update(ok=False, why=f"could not be built ({first})")
