@@ -66,9 +66,11 @@ def dense_keys_values(layer, row):
     return keys[:, real], values[:, real]  # (H, stored, d)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "auto"])  # the PyTorch reference and, where built, the fused kernel
 @pytest.mark.parametrize("adapt, value_sparsity", [("none", "0"), ("fixed", "0"), ("append", "0"), ("fixed", "6")])
-def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, value_sparsity):
-    _, layer = make_layer(tiny_dictionaries, adapt=adapt, adapt_threshold="0.2", value_sparsity=value_sparsity)
+def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, value_sparsity, kernel):
+    _, layer = make_layer(tiny_dictionaries, adapt=adapt, adapt_threshold="0.2", value_sparsity=value_sparsity,
+                          kernel=kernel)
     feed(layer, 60)
     assert layer.coded_keys.codes.idx.shape[-1] == 4
     assert layer.coded_values.codes.idx.shape[-1] == (int(value_sparsity) or 4)
@@ -84,15 +86,17 @@ def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, val
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
 @pytest.mark.parametrize("adapt", ["none", "fixed"])
-def test_prerope_attention_equals_dense_reference(tiny_dictionaries, adapt, monkeypatch):
+def test_prerope_attention_equals_dense_reference(tiny_dictionaries, adapt, kernel, monkeypatch):
     """keys=pre-rope: keys are turned back to content before coding, and scores rebuild each chunk of codes and apply
     RoPE at the token's position; chunked (3 coded tokens per chunk here) it equals rebuilding every key densely."""
-    import kvzip.methods.fadkv as fadkv_module
+    import kvzip.methods.coded.attend as fadkv_module
 
     monkeypatch.setattr(fadkv_module, "SCORE_CHUNK", 3)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
-    _, layer = make_layer(tiny_dictionaries, adapt=adapt, adapt_threshold="0.2", keys="pre-rope", inv_freq=inv_freq)
+    _, layer = make_layer(tiny_dictionaries, adapt=adapt, adapt_threshold="0.2", keys="pre-rope", inv_freq=inv_freq,
+                          kernel=kernel)
     feed(layer, 60)
     assert layer.coded_pos.shape[1] > 40
     query = torch.randn(1, 4, 1, 16)
@@ -128,7 +132,7 @@ def test_multi_token_query_over_codes_equals_dense_reference(tiny_dictionaries, 
 def test_rebuilt_values_equal_per_atom_sums(tiny_dictionaries, adapt, monkeypatch):
     """Many query rows (a follow-up prompt) rebuild coded values chunk by chunk; decoding sums weights per atom. The two
     give the same weighted sum, overlay atoms included."""
-    import kvzip.methods.fadkv as fadkv_module
+    import kvzip.methods.coded.attend as fadkv_module
     from kvzip.sparse import attention as coded
 
     monkeypatch.setattr(fadkv_module, "SCORE_CHUNK", 5)
