@@ -19,6 +19,7 @@ import torch
 from kvzip.bench import workloads
 from kvzip.bench.config import BenchConfig, Setting
 from kvzip.errors import UserError
+from kvzip.runs import commit
 
 
 def peak_rss_bytes() -> int:
@@ -53,23 +54,6 @@ def _ratios(results: list[dict]) -> None:
             e["speed_ratio_vs_full"] = round(mine / theirs, 3) if mine and theirs else None
 
 
-def _commit() -> str | None:
-    """The git commit of the checkout kvzip runs from (with "-dirty" when files differ), or None outside one."""
-    import subprocess
-    from pathlib import Path
-
-    top = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "-C", str(top), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(top), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
 def _cpu_model() -> str | None:
     """The CPU's model name as Linux reports it (runs on different machines are told apart by it), else None."""
     try:
@@ -81,7 +65,7 @@ def _cpu_model() -> str | None:
 
 def environment(model, source) -> dict:
     return {
-        "commit": _commit(),
+        "commit": commit(),
         "model": source.name,
         "model_path": str(getattr(source, "path", "")),
         "device": str(model.device),

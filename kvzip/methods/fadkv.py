@@ -39,9 +39,10 @@ from kvzip.errors import UserError
 from kvzip.methods.base import DenseLayer, KVCache, Method, check_choice, check_positive, model_layout, tensor_bytes
 from kvzip.methods.coded.coding import ADAPT, CodingStats, code_kinds, left_holed
 from kvzip.methods.coded.state import CodedKind
+from kvzip.placement import layer_devices
 from kvzip.rope import attention_windows, as_rope, layer_ropes, phasors, to_pairs, turn_pairs, visible_from
 from kvzip.sparse import CACHE_CODERS, KEY_MODES, KEY_OPTIONS, attention as coded
-from kvzip.sparse.dictionary import LayerAtoms, prepare_layers
+from kvzip.sparse.dictionary import LayerAtoms, prepare_for_devices
 from kvzip.sparse.omp import reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS
 
@@ -355,12 +356,13 @@ def _full_rows(codes: torch.Tensor, rows: torch.Tensor, batch: int, width: int) 
 
 
 class LayerGroup:
-    """The layers of one cache, coded together: when the last of them has attended in a forward, every layer's due
-    tokens are coded in one pass (a layer's coding only changes what its next forward sees, so deferring it to the
-    end of this one changes nothing), then sliding-window layers drop what their next query cannot see."""
+    """The layers of one cache on one device, coded together: when the last of them has attended in a forward, every
+    layer's due tokens are coded in one pass (a layer's coding only changes what its next forward sees, so deferring
+    it to the end of this one changes nothing), then sliding-window layers drop what their next query cannot see.
+    The groups of a cache split over devices share one CodingStats."""
 
-    def __init__(self, layers: list[FadkvLayer]):
-        self.layers, self.stats = layers, CodingStats()
+    def __init__(self, layers: list[FadkvLayer], stats: CodingStats | None = None):
+        self.layers, self.stats = layers, CodingStats() if stats is None else stats
 
     def attended(self, layer: FadkvLayer, prefill: bool) -> None:
         if layer is not self.layers[-1]:
@@ -453,13 +455,16 @@ class Fadkv(Method):
         if max(self.sparsity, self.value_sparsity) > dictionaries.num_atoms:
             raise UserError(f"sparsity {max(self.sparsity, self.value_sparsity)} exceeds the dictionary's "
                             f"{dictionaries.num_atoms} atoms")
-        prepared = prepare_layers(dictionaries, model.device, paired=[r.dim for r in ropes] if ropes else False)
+        devices = layer_devices(model)  # a model split over devices: each layer's atoms, codes and group on its own
+        prepared = prepare_for_devices(dictionaries, devices, paired=[r.dim for r in ropes] if ropes else False)
         shared = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
-        memo: dict = {}
-        group = LayerGroup([])
-        group.layers[:] = [FadkvLayer(self, prepared[i], rope=ropes[i] if ropes else None, rope_memo=memo,
-                                      sliding=windows[i], group=group) for i in range(layers)]
-        return FadkvCache(group.layers, self, shared)
+        stats, groups, memos, built = CodingStats(), {}, {}, []
+        for i, device in enumerate(devices):
+            group = groups.setdefault(device, LayerGroup([], stats))
+            group.layers.append(FadkvLayer(self, prepared[i], rope=ropes[i] if ropes else None,
+                                           rope_memo=memos.setdefault(device, {}), sliding=windows[i], group=group))
+            built.append(group.layers[-1])
+        return FadkvCache(built, self, shared)
 
 
 @dataclass
