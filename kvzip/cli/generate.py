@@ -21,9 +21,10 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.jobs import JobSpec, check_job, prepare_parts
+from kvzip.cli.jobs import JobSpec, check_job, finished_run
 from kvzip.cli.options import (DeviceMap, DictPath, Device, Dtype, MethodName, Model, Opts, Resume, Seed, Temperature,
                                TopK, TopP, TrustRemoteCode, cli_words)
+from kvzip.cli.resume import prepare_parts
 from kvzip.files import write_atomic
 
 OUTPUT_HELP = ("JSONL file, written atomically: one line per prompt (prompt, completion, finish_reason, prompt_tokens, "
@@ -96,7 +97,10 @@ def _run(spec: JobSpec, job, world) -> None:
 
     parts = Parts(parts_folder(job.output)) if job.output is not None else None
     run_id = distributed.broadcast(world, uuid.uuid4().hex[:12])
-    finished = prepare_parts(world, parts, job, run_id) if parts is not None else []
+    finished = []
+    if parts is not None:
+        finished = prepare_parts(world, parts, job.settings_record, job.commit, job.spec.resume, job.output,
+                                 finished_run, run_id)
     if finished is None:  # --resume on a finished output of this same job
         if world.main:
             display.console.print(f"nothing to generate: {job.output} holds every row of this job")

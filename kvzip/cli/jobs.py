@@ -180,43 +180,7 @@ def check_job(spec: JobSpec, world) -> Job:
     return Job(spec, items, output, method, device, placement, dict_path, settings, record, commit())
 
 
-def prepare_parts(world, parts, job: Job, run_id: str) -> list[str] | None:
-    """The pieces folder, agreed on by every rank before any model loads: the names of the batches an earlier run
-    finished ([] for a new job), or None when `--resume` finds the output already holding this whole job."""
-    from kvzip import distributed
-    from kvzip.cli.options import cli_words
-
-    finished = distributed.agree(world, lambda: _look(parts, job), cli_words)
-    finished = distributed.broadcast(world, finished)  # rank 0's view is the plan
-    if finished is None:
-        return None
-    if world.main:
-        parts.begin(job.settings_record, job.commit, run_id)
-    distributed.all_gather(world, None)  # the folder is ready: now every rank must see it
-    distributed.agree(world, lambda: flagged("--output", parts.check_visible, run_id), cli_words)
-    return finished
-
-
-def _look(parts, job: Job) -> list[str] | None:
-    """What an earlier run left: finished batches in the pieces folder, or a finished output (None)."""
-    from kvzip.runs import check_same_job
-
-    record = parts.record()
-    if record is not None:
-        if not job.spec.resume:
-            raise UserError(f"--output: {parts.folder} holds an unfinished run: pass --resume to finish it, or remove "
-                            "that folder to start over")
-        flagged("--resume", check_same_job, record, job.settings_record, job.commit, str(parts.folder))
-        return parts.finished()
-    if job.spec.resume and job.output.is_file():
-        lines = job.output.read_text().splitlines()
-        try:
-            run = json.loads(lines[-1])["summary"]["run"] if lines else None
-        except (json.JSONDecodeError, KeyError, TypeError):
-            run = None
-        if run is None:
-            raise UserError(f"--resume: {job.output} has no record of the settings it was made with (a summary line "
-                            "with \"run\"): start over without --resume")
-        flagged("--resume", check_same_job, run, job.settings_record, job.commit, str(job.output))
-        return None
-    return []
+def finished_run(output: Path) -> dict | None:
+    """The job record a finished output carries: its summary line's \"run\"."""
+    lines = output.read_text().splitlines()
+    return json.loads(lines[-1])["summary"]["run"] if lines else None
