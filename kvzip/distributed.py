@@ -15,6 +15,7 @@ long timeout below only bounds how long a rank waits for slower ones at the end 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -90,6 +91,18 @@ def all_gather(world: World, value: T) -> list[T]:
     out: list = [None] * world.size
     dist.all_gather_object(out, value)
     return out
+
+
+def wait_all(world: World, poll_s: float = 0.1) -> None:
+    """Wait until every rank gets here, the way a rank done with its share waits for slower ones: polling, in
+    Python, so that Ctrl-C or torchrun's stop (SIGTERM) still reaches a waiting rank (a blocking collective would
+    hold it in C++ until torchrun kills it)."""
+    if world.size == 1:
+        return
+    work = dist.all_reduce(torch.zeros(1), async_op=True)  # a CPU tensor: the gloo side of the group
+    while not work.is_completed():
+        time.sleep(poll_s)
+    work.wait()
 
 
 def broadcast(world: World, value: T) -> T:

@@ -227,7 +227,7 @@ def _run(job, world, model: str, dtype: str, trust_remote_code: bool) -> None:
         finished = prepare_parts(world, parts, job.record, job.commit, job.resume, job.json_path, _finished_run, run_id)
     if finished is None:
         if world.main:
-            display.console.print(f"nothing to measure: {job.json_path} holds every cell of this run")
+            display.console.print(f"nothing to measure: {job.json_path} holds every cell of this run", soft_wrap=True)
         return
     lm, tokenizer, source = distributed.agree(world, lambda: load_model(model, job.device, dtype, trust_remote_code),
                                               cli_words)
@@ -263,6 +263,11 @@ def _run(job, world, model: str, dtype: str, trust_remote_code: bool) -> None:
     if parts is None:  # one process, no --json: the run is all in `data`
         _report(data, job, interrupted_hint="")
         return
+    if not data["interrupted"]:
+        try:
+            distributed.wait_all(world)  # every rank's cells are in the folder
+        except KeyboardInterrupt:
+            data["interrupted"] = True
     ranks = [mine] if data["interrupted"] else distributed.all_gather(world, mine)
     if not world.main:
         if data["interrupted"]:
@@ -300,7 +305,8 @@ def _report(data: dict, job, interrupted_hint: str) -> None:
         for line in _save_plots(data, job.plot_path, job.cfg.workloads):
             display.console.print(line)
     if data["interrupted"]:
-        display.console.print(f"[yellow]interrupted[/yellow]: {len(data['results'])} finished records kept{interrupted_hint}")
+        display.console.print(f"[yellow]interrupted[/yellow]: {len(data['results'])} finished records kept{interrupted_hint}",
+                              soft_wrap=True)
         raise typer.Exit(130)
     if data["failed"]:
         raise typer.Exit(1)

@@ -103,7 +103,7 @@ def _run(spec: JobSpec, job, world) -> None:
                                  finished_run, run_id)
     if finished is None:  # --resume on a finished output of this same job
         if world.main:
-            display.console.print(f"nothing to generate: {job.output} holds every row of this job")
+            display.console.print(f"nothing to generate: {job.output} holds every row of this job", soft_wrap=True)
         return
     agreed = lambda check: distributed.agree(world, check, cli_words)  # noqa: E731
     status = display.console.status(f"loading {spec.model} (the first load of a GGUF converts it once, ~30 s)")
@@ -122,17 +122,17 @@ def _run(spec: JobSpec, job, world) -> None:
 
     settings = job.settings
     rows = batches.batch_rows(len(job.items), spec.batch_size)
-    done = {batches.piece_name(k) for k in range(len(rows))} & set(finished)
-    pending = [k for k in range(len(rows)) if batches.piece_name(k) not in done]
+    done = {k for k in range(len(rows)) if batches.piece_name(k) in finished}  # by an earlier run
+    pending = [k for k in range(len(rows)) if k not in done]
     mine = distributed.deal(pending, world)
     if not mine and world.size > 1:
         display.console.print(f"rank {world.rank}: idle: {len(pending)} batch(es) of {spec.batch_size} rows left for "
-                              f"{world.size} ranks (a smaller --batch-size makes more)")
+                              f"{world.size} ranks (a smaller --batch-size makes more)", soft_wrap=True)
     streaming = len(job.items) == 1 and not spec.json_out and world.size == 1
     kept: list = []
     t0 = time.perf_counter()
     bar = None if streaming or not world.main or not mine else display.progress()
-    try:
+    try:  # Ctrl-C, here or while waiting for the other ranks, keeps every finished batch
         if bar is not None:
             bar.start()
             task = bar.add_task("generating" if world.size == 1 else f"rank 0 of {world.size}",
@@ -152,19 +152,20 @@ def _run(spec: JobSpec, job, world) -> None:
             if parts is not None:
                 parts.write(batches.piece_name(k), batch.piece(world.rank, run_id))
             kept.append(batch)
+        if bar is not None:
+            bar.stop()
+        distributed.wait_all(world)  # every rank is done: its batches are in the folder
     except KeyboardInterrupt:
         if bar is not None:
             bar.stop()
-        _interrupted(world, parts, len(done) + len(kept), len(rows), streaming)
-    if bar is not None:
-        bar.stop()
+        _interrupted(world, parts, len(rows), streaming)
     cuda_peak = None
     if lm.device.type == "cuda":
         import torch
 
         cuda_peak = torch.cuda.max_memory_allocated(lm.device)
     mine_summary = batches.rank_summary(world.rank, kept, time.perf_counter() - t0, str(lm.device), cuda_peak)
-    ranks = distributed.all_gather(world, mine_summary)  # every rank is done: its batches are in the folder
+    ranks = distributed.all_gather(world, mine_summary)
     if not world.main:
         return
     pieces = [parts.read(batches.piece_name(k)) for k in range(len(rows))] if parts is not None else \
@@ -182,14 +183,15 @@ def _run(spec: JobSpec, job, world) -> None:
             display.console.print(display.run_line(totals, ranks), soft_wrap=True)
 
 
-def _interrupted(world, parts, finished: int, total: int, streaming: bool) -> None:
+def _interrupted(world, parts, total: int, streaming: bool) -> None:
     """Ctrl-C (or a stop from torchrun): what is kept and how to go on, said once, by rank 0; exit 130."""
     if streaming:
         display.out.print()
     if world.main:
         if parts is not None:
+            finished = len(parts.finished())  # every rank's, as far as they got
             display.console.print(f"kvzip: interrupted: {finished} of {total} batches are finished in {parts.folder} "
-                                  "(the batch in flight is not kept); run the same command with --resume to finish")
+                                  "(the batch in flight is not kept); run the same command with --resume to finish", soft_wrap=True)
         else:
             display.console.print("kvzip: interrupted")
     raise typer.Exit(130)

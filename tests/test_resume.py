@@ -1,0 +1,147 @@
+"""Fast tier: `generate --output` is resumable and safe, and its user errors come before the model.
+
+- Ctrl-C in the second of three batches (raised inside the engine, as a real one lands): exit 130 and one line saying
+  how to resume; the output is not written, the first batch is kept in OUTPUT.parts and the interrupted batch is not
+  (none of its rows are written as finished). Then: the same command without --resume is refused; --resume with
+  other settings or at another commit is refused, naming what differs, before any model loads; --resume finishes,
+  equal to an uninterrupted run, generating only the two missing batches; a second --resume has nothing to do.
+- A rank killed mid-run under torchrun (SIGKILL, so it writes nothing more), then the same command with --resume on
+  three ranks: every row exactly once, equal to one process's rows. "None generated twice" is checked by counts: the
+  batches left by the killed run are in the output unchanged and marked with that run's id, and the resumed run's
+  ranks generated exactly the rows that were missing, no more.
+- Bad paths: --output naming the --input file (today's bug: the prompts replaced by results), --output -, --resume
+  without --output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+import kvzip.engine
+import kvzip.models
+import kvzip.runs
+from kvzip.cli import main
+from kvzip.models import ModelSource
+from tests.conftest import ByteTokenizer
+from tests.launch import jsonl, rank_pids, start_torchrun, torchrun, wait_for, write_prompts
+from tests.test_cli import no_model, one_line_error, run  # noqa: F401  (a fixture)
+
+ARGS = ["--raw", "--batch-size", "2", "--max-new-tokens", "3", "--ignore-eos", "--dtype", "float32"]
+
+
+@pytest.fixture
+def loads(monkeypatch, tiny):
+    """The tiny model for `generate`, counting how often it was loaded."""
+    count = []
+
+    def load(*args, **kwargs):
+        count.append(args)
+        return tiny, ByteTokenizer(), ModelSource("tiny", "tiny", False)
+
+    monkeypatch.setattr(kvzip.models, "load_model", load)
+    return count
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_ctrl_c_keeps_finished_batches_and_resume_finishes_the_same_job(capsys, tmp_path, monkeypatch, loads):
+    prompts = write_prompts(tmp_path / "in.jsonl", 5)  # batches: rows 0-1, 2-3, 4
+    out, parts = tmp_path / "out.jsonl", tmp_path / "out.jsonl.parts"
+    command = ["generate", "--input", str(prompts), "--output", str(out), *ARGS]
+    assert run(capsys, *command[:3], "--output", str(tmp_path / "ref.jsonl"), *ARGS)[0] == 0
+    real_sample, calls = kvzip.engine.sample, []
+
+    def sample(*args):  # three samples per batch (prefill, two steps): the 5th is a decode step of the second batch
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_sample(*args)
+
+    monkeypatch.setattr(kvzip.engine, "sample", sample)
+    code, _, err = run(capsys, *command)
+    monkeypatch.setattr(kvzip.engine, "sample", real_sample)
+    assert code == 130 and err.strip().splitlines()[-1] == (
+        f"kvzip: interrupted: 1 of 3 batches are finished in {parts} (the batch in flight is not kept); run the same "
+        "command with --resume to finish")
+    assert not out.exists() and sorted(p.name for p in parts.iterdir()) == ["batch-000000.json", "run.json"]
+    first_run = json.loads((parts / "run.json").read_text())["run"]
+    kept = json.loads((parts / "batch-000000.json").read_text())
+    assert [r["index"] for r in kept["rows"]] == [0, 1] and kept["run"] == first_run
+    assert all(r["finish_reason"] == "length" for r in kept["rows"])
+
+    n = len(loads)
+    assert "holds an unfinished run: pass --resume" in one_line_error(capsys, *command)
+    line = one_line_error(capsys, *command, "--resume", "--max-new-tokens", "4")
+    assert line == (f"kvzip: error: --resume: {parts} was written with other settings (max_new_tokens differ): rerun "
+                    "with the same settings, or start over without resuming")
+    recorded, real_commit = json.loads((parts / "run.json").read_text())["commit"], kvzip.runs.commit
+    monkeypatch.setattr(kvzip.runs, "commit", lambda: "0123abc")
+    assert f"was written at commit {recorded}, this is 0123abc" in one_line_error(capsys, *command, "--resume")
+    monkeypatch.setattr(kvzip.runs, "commit", real_commit)
+    assert len(loads) == n  # every refusal came before the model
+
+    code, _, err = run(capsys, *command, "--resume")
+    assert code == 0, err
+    *rows, summary = jsonl(out)
+    assert rows == jsonl(tmp_path / "ref.jsonl")[:-1] and not parts.exists()
+    summary = summary["summary"]
+    assert summary["totals"]["earlier_rows"] == 2 and summary["totals"]["generated_rows"] == 3
+    assert [b["run"] for b in summary["batches"]][0] == first_run != summary["run"]["id"]
+    assert [b["run"] for b in summary["batches"]][1:] == [summary["run"]["id"]] * 2
+
+    n = len(loads)
+    code, _, err = run(capsys, *command, "--resume")
+    assert code == 0 and "nothing to generate" in err and len(loads) == n
+    assert "max_new_tokens differ" in one_line_error(capsys, *command, "--resume", "--max-new-tokens", "5")
+
+
+@pytest.mark.usefixtures("no_model")
+def test_output_paths_that_cannot_work(capsys, tmp_path):
+    prompts = write_prompts(tmp_path / "in.jsonl", 2)
+    before = prompts.read_text()
+    line = one_line_error(capsys, "generate", "--input", str(prompts), "--output", str(tmp_path / "." / "in.jsonl"))
+    assert "is the --input file: the results would replace the prompts" in line and prompts.read_text() == before
+    assert "not on standard output" in one_line_error(capsys, "generate", "--input", str(prompts), "--output", "-")
+    assert "--resume continues the job that writes --output" in one_line_error(capsys, "generate", "hi", "--resume")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_killed_rank_then_resume_writes_every_row_once(tmp_path, tiny_model_dir):
+    prompts = write_prompts(tmp_path / "in.jsonl", 17)
+    out, parts = tmp_path / "out.jsonl", tmp_path / "out.jsonl.parts"
+    command = lambda path: ["generate", "--model", str(tiny_model_dir), "--dtype", "float32", "--input",  # noqa: E731
+                            str(prompts), "--output", str(path), "--batch-size", "1", "--max-new-tokens", "40",
+                            "--ignore-eos"]
+    with pytest.raises(SystemExit):
+        main(command(tmp_path / "ref.jsonl"))
+    reference = jsonl(tmp_path / "ref.jsonl")[:-1]
+    args = command(out)
+
+    proc, marker = start_torchrun(2, *args)
+    pieces = lambda: [json.loads(p.read_text()) for p in parts.glob("batch-*.json")]  # noqa: E731
+    wait_for(lambda: any(p["rank"] == 1 for p in pieces()) or proc.poll() is not None, what="a batch from rank 1")
+    pids = rank_pids(marker)
+    assert proc.poll() is None and 1 in pids, "the run ended before rank 1 could be killed"
+    os.kill(pids[1], signal.SIGKILL)
+    proc.communicate(timeout=300)
+    assert proc.returncode != 0 and not out.exists()
+    left = {p["batch"]: p for p in pieces()}  # every piece is whole JSON: none half-written under its name
+    first_run = json.loads((parts / "run.json").read_text())["run"]
+    assert 0 < len(left) < 17 and {p["run"] for p in left.values()} == {first_run}, sorted(left)
+
+    got = torchrun(3, *args, "--resume")
+    assert got.returncode == 0, got.stderr[-3000:]
+    *rows, summary = jsonl(out)
+    assert rows == reference and not parts.exists()
+    summary = summary["summary"]
+    earlier = [b["first_row"] for b in summary["batches"] if b["run"] == first_run]
+    assert earlier == sorted(left) and all(rows[k] == {key: v for key, v in left[k]["rows"][0].items() if key != "index"}
+                                           for k in left)
+    assert {b["run"] for b in summary["batches"] if b["first_row"] not in left} == {summary["run"]["id"]}
+    totals = summary["totals"]
+    assert totals["earlier_rows"] == len(left) and totals["generated_rows"] == 17 - len(left) == sum(
+        r["rows"] for r in summary["ranks"]) and totals["world_size"] == 3
