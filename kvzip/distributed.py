@@ -9,7 +9,8 @@ without a process group, so a single-process run is the same code.
 
 Ranks exchange metadata only (settings checks, which work is left, each rank's summary); their results go to files
 that every rank can read (`kvzip.runs`). A rank that dies is torchrun's to notice: it stops the other ranks, so the
-long timeout below only bounds how long a rank waits for slower ones at the end of a job of hours.
+long timeout below only bounds how long a rank waits for slower ones at the end of a job of hours. torch is imported
+only where a world of several ranks needs it, so that a command checks its flags before paying for it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import datetime
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, TypeVar
 
 from kvzip.errors import SharedUserError, UserError
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 TIMEOUT = datetime.timedelta(days=7)  # a rank done with its share waits this long for the others
@@ -57,6 +58,8 @@ class World:
 
     def device(self, device: torch.device) -> torch.device:
         """The device this rank computes on: cuda:LOCAL_RANK on CUDA (one GPU per rank), else `device`."""
+        import torch
+
         if device.type == "cuda" and self.size > 1:
             if self.local_rank >= torch.cuda.device_count():
                 raise UserError(f"rank {self.rank} is local rank {self.local_rank}, but this node has "
@@ -65,13 +68,19 @@ class World:
         return device
 
 
-def start(world: World, cuda: bool) -> None:
-    """Join the process group (nothing to do for a world of one): gloo, and NCCL beside it for a run on CUDA, with
-    this rank's GPU made current. It comes first, before any check, so that every check can be agreed on."""
-    if world.size == 1 or dist.is_initialized():
+def start(world: World, device: str) -> None:
+    """Join the process group (nothing to do for a world of one): gloo, and NCCL beside it unless `device` (the
+    --device flag's value) rules CUDA out or none is visible, with this rank's GPU made current. It comes first,
+    before any check, so that every check can be agreed on."""
+    if world.size == 1:
+        return
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
         return
     backend = "gloo"
-    if cuda:
+    if device != "cpu" and torch.cuda.is_available():
         backend = "cpu:gloo,cuda:nccl"
         if world.local_rank < torch.cuda.device_count():  # otherwise World.device says so, in an agreed check
             torch.cuda.set_device(world.local_rank)
@@ -80,7 +89,11 @@ def start(world: World, cuda: bool) -> None:
 
 def finish(world: World) -> None:
     """Leave the process group, so that no rank exits with collectives pending."""
-    if world.size > 1 and dist.is_initialized():
+    if world.size == 1:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -88,6 +101,8 @@ def all_gather(world: World, value: T) -> list[T]:
     """Every rank's `value`, in rank order, on every rank (also a barrier)."""
     if world.size == 1:
         return [value]
+    import torch.distributed as dist
+
     out: list = [None] * world.size
     dist.all_gather_object(out, value)
     return out
@@ -99,6 +114,9 @@ def wait_all(world: World, poll_s: float = 0.1) -> None:
     hold it in C++ until torchrun kills it)."""
     if world.size == 1:
         return
+    import torch
+    import torch.distributed as dist
+
     work = dist.all_reduce(torch.zeros(1), async_op=True)  # a CPU tensor: the gloo side of the group
     while not work.is_completed():
         time.sleep(poll_s)
@@ -109,6 +127,8 @@ def broadcast(world: World, value: T) -> T:
     """Rank 0's `value` on every rank."""
     if world.size == 1:
         return value
+    import torch.distributed as dist
+
     box = [value if world.main else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -2,6 +2,7 @@
 
 The CLI turns a `UserError` into one line on stderr and exit code 2. Library code raises it for anything the user
 can fix (a missing file, a bad option, a dictionary made for another model); assertions stay for our own invariants.
+`SharedUserError` is the same error raised on every rank of a data-parallel run, said once, by rank 0.
 """
 
 

@@ -145,3 +145,39 @@ def test_a_killed_rank_then_resume_writes_every_row_once(tmp_path, tiny_model_di
     totals = summary["totals"]
     assert totals["earlier_rows"] == len(left) and totals["generated_rows"] == 17 - len(left) == sum(
         r["rows"] for r in summary["ranks"]) and totals["world_size"] == 3
+
+
+def test_the_pieces_folder_holds_whole_pieces_and_one_job(tmp_path):
+    from kvzip.batches import merge
+    from kvzip.errors import UserError
+    from kvzip.runs import Parts, check_same_job
+
+    parts = Parts(tmp_path / "out.jsonl.parts")
+    parts.begin({"k": 1}, "abc", "run1")
+    parts.write("batch-000001", {"batch": 1, "rows": [{"index": 1, "x": 1}], "stats": {"b": 1}})
+    (parts.folder / ".batch-000002.json.x1.tmp.json").write_text('{"batch": 2, "ro')  # a killed writer's leftover
+    assert parts.finished() == ["batch-000001"]
+    parts.begin({"k": 2}, "def", "run2")  # a resume: the first job's record stays, the leftover goes
+    assert sorted(p.name for p in parts.folder.iterdir()) == ["batch-000001.json", "run.json"]
+    record = parts.record()
+    assert record["settings"] == {"k": 1} and record["runs"] == ["run1", "run2"] and record["run"] == "run2"
+    check_same_job(record, {"k": 1}, "abc", "here")
+    with pytest.raises(UserError, match=r"^here was written with other settings \(k, z differ\)"):
+        check_same_job(record, {"k": 2, "z": 0}, "abc", "here")
+    with pytest.raises(UserError, match="^here was written at commit abc, this is def"):
+        check_same_job(record, {"k": 1}, "def", "here")
+    parts.check_visible("run2")
+    with pytest.raises(UserError, match="is not the folder rank 0 wrote"):
+        parts.check_visible("run3")
+
+    piece = lambda k: {"batch": k, "rows": [{"index": k, "x": k}], "stats": {"b": k}}  # noqa: E731
+    assert merge([piece(1), piece(0)], 2) == ([{"x": 0}, {"x": 1}], [{"b": 0}, {"b": 1}])
+    with pytest.raises(ValueError, match="batch 1 was generated twice"):
+        merge([piece(1), piece(0), piece(1)], 2)
+    with pytest.raises(ValueError, match=r"batches \[1\] are missing"):
+        merge([piece(0)], 2)
+    stale = Parts(tmp_path / "new.parts")  # a folder with pieces but no record of a job: a new job keeps nothing
+    stale.folder.mkdir()
+    (stale.folder / "batch-000000.json").write_text("{}")
+    stale.begin({"k": 1}, "abc", "r")
+    assert stale.finished() == []

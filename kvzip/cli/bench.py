@@ -148,7 +148,7 @@ def bench(
     from kvzip import distributed
 
     world = distributed.World.from_env(os.environ)
-    distributed.start(world, cuda=device != "cpu" and _cuda_visible())
+    distributed.start(world, device)
     try:
         flags = dict(quick=quick, methods=methods, opt=opt, method_set=method_set, workloads=workloads,
                      output_tokens=output_tokens, rows=rows, contexts=contexts, prompts=prompts, new_tokens=new_tokens,
@@ -158,12 +158,6 @@ def bench(
         _run(job, world, model, dtype, trust_remote_code)
     finally:
         distributed.finish(world)
-
-
-def _cuda_visible() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _check(world, quick, methods, opt, method_set, workloads, output_tokens, rows, contexts, prompts, new_tokens,

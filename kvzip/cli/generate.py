@@ -69,7 +69,7 @@ def generate(
     from kvzip import distributed
 
     world = distributed.World.from_env(os.environ)
-    distributed.start(world, cuda=device != "cpu" and _cuda_visible())
+    distributed.start(world, device)
     try:
         spec = JobSpec(prompt=prompt, input=input, output=output, resume=resume, model=model, method=method, opt=opt,
                        dict_path=dict_path, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -80,12 +80,6 @@ def generate(
         _run(spec, job, world)
     finally:
         distributed.finish(world)
-
-
-def _cuda_visible() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _run(spec: JobSpec, job, world) -> None:
