@@ -98,6 +98,24 @@ def test_ctrl_c_keeps_finished_batches_and_resume_finishes_the_same_job(capsys, 
     assert "max_new_tokens differ" in one_line_error(capsys, *command, "--resume", "--max-new-tokens", "5")
 
 
+@pytest.mark.usefixtures("one_thread", "loads")
+def test_ctrl_c_without_output_shows_the_finished_batches(capsys, tmp_path, monkeypatch):
+    prompts = write_prompts(tmp_path / "in.jsonl", 3)
+    real_sample, calls = kvzip.engine.sample, []
+
+    def sample(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_sample(*args)
+
+    monkeypatch.setattr(kvzip.engine, "sample", sample)
+    code, out, err = run(capsys, "generate", "--input", str(prompts), *ARGS)
+    assert code == 130 and err.strip().splitlines()[-1] == "kvzip: interrupted"
+    assert ">>> prompt 0: " in out and ">>> prompt 1: " in out and ">>> prompt 2" not in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
 @pytest.mark.usefixtures("no_model")
 def test_output_paths_that_cannot_work(capsys, tmp_path):
     prompts = write_prompts(tmp_path / "in.jsonl", 2)

@@ -2,7 +2,9 @@
 
 Errors a user can cause, a `UserError` from kvzip or a usage error from click (unknown option, bad value), become
 one line `kvzip: error: ...` on stderr with exit code 2; everything else is a bug and keeps its traceback. The
-command runs in this process and leaves nothing behind when it exits.
+command runs in this process and leaves nothing behind when it exits; SIGTERM unwinds it like Ctrl-C (torchrun sends
+it to the other ranks when one fails), so files being written are removed and finished ones kept. Under torchrun an
+error every rank finds is said once, by rank 0 (`kvzip.errors.SharedUserError`).
 
 Start-up stays short because nothing heavy is imported here: torch, transformers and the method registry are imported
 inside the commands, after their flags and paths have been checked. Help is click's plain formatter, which wraps

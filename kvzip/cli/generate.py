@@ -152,7 +152,7 @@ def _run(spec: JobSpec, job, world) -> None:
     except KeyboardInterrupt:
         if bar is not None:
             bar.stop()
-        _interrupted(world, parts, len(rows), streaming)
+        _interrupted(world, parts, len(rows), streaming, kept)
     cuda_peak = None
     if lm.device.type == "cuda":
         import torch
@@ -177,10 +177,13 @@ def _run(spec: JobSpec, job, world) -> None:
             display.console.print(display.run_line(totals, ranks), soft_wrap=True)
 
 
-def _interrupted(world, parts, total: int, streaming: bool) -> None:
-    """Ctrl-C (or a stop from torchrun): what is kept and how to go on, said once, by rank 0; exit 130."""
+def _interrupted(world, parts, total: int, streaming: bool, kept: list) -> None:
+    """Ctrl-C (or a stop from torchrun): what is kept and how to go on, said once, by rank 0; exit 130. Without
+    --output, the batches that finished are shown first."""
     if streaming:
         display.out.print()
+    elif parts is None and kept:
+        _show([r for b in kept for r in b.records], [b.stats for b in kept], False, False, None, {})
     if world.main:
         if parts is not None:
             finished = len(parts.finished())  # every rank's, as far as they got
