@@ -2,7 +2,9 @@
 
 Thin: check the flags, load the model, call `kvzip.bench.run_bench` with a progress callback, then print the table
 (best value per column among methods other than full marked with *), the notes, and write `--json` (atomically) and
-`--plot`. Exit code 1 when a method crashed (its error is in the JSON), 2 for a user error.
+`--plot`. Exit code 1 when a method crashed (its error is in the JSON), 2 for a user error. With `--json`, each
+finished cell is kept in JSON.parts as it ends and `--resume` runs only the missing ones; under torchrun the ranks
+share the cells (`kvzip.bench.cells`) and rank 0 merges them into the one JSON (docs/scaling.md).
 
     kvzip bench --quick                                    # every registered method, small workloads, minutes on CPU
     kvzip bench --json bench.json --plot bench.png         # the full run behind the README results table
@@ -10,6 +12,7 @@ Thin: check the flags, load the model, call `kvzip.bench.run_bench` with a progr
         --prompts 50 --json gsm8k.json                     # GSM8K accuracy on a model that can solve it
     kvzip bench --methods full,window --method-set "window:window=256" --method-set "window:window=1024,sinks=8"
     kvzip bench --methods full,hf-int4 --opt hf-int4.residual_length=64 --workloads output,speed --contexts 1024,4096
+    torchrun --nproc-per-node 2 -m kvzip bench --quick --json bench.json    # the cells over two ranks; --resume after
 """
 
 from __future__ import annotations
