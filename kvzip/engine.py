@@ -1,8 +1,8 @@
 """The generation engine: one set of step primitives that every loop over the model runs through.
 
 `Stream` owns a batch of rows in one cache: it left-pads the prompts (telling the cache each row's padding,
-`cache.on_prefill`), runs one forward with the cache and its keyword arguments, calls the cache's step hook
-(`cache.on_step`) with the decoded text before every fed token, and
+`cache.on_prefill`), calls the cache's step hook (`cache.on_step`) with the decoded text before every fed token, runs
+each forward between the cache's `before_forward` and `after_forward` hooks (where all cache-wide work happens), and
 tracks memory by tier after every forward. Generation (`generate`, below), teacher-forced evaluation
 (`kvzip.evaluate`), forced decoding (`kvzip.bench.recall`) and chat prefill (`kvzip.chat`) are short loops over it, so
 every cache hook runs on every path. The engine knows nothing of the CLI or of any method's internals; callers
@@ -183,8 +183,12 @@ class Stream:
         return 0 if self.mask is None else self.mask.shape[0]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # The cache's lifecycle: cache-wide work for the tokens about to be fed, the model's forward (each layer stores
+        # its new tokens and attends, nothing more), then cache-wide work on what the forward wrote.
+        self.cache.before_forward(self.mask, ids.shape[1])
         out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, cache=self.cache,
                          use_cache=True, logits_to_keep=1, **self.cache.model_kwargs())
+        self.cache.after_forward()
         self.memory = self.cache.memory()
         for tier, n in self.memory.items():
             self.peak[tier] = max(self.peak.get(tier, 0), n)

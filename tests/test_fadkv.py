@@ -9,7 +9,9 @@ import torch
 from kvzip import engine
 from kvzip.errors import UserError
 from kvzip.methods import get_method
-from kvzip.methods.fadkv import FadkvLayer
+from kvzip.methods.coded.coding import CodingStats
+from kvzip.methods.coded.compress import compress
+from kvzip.methods.fadkv import FadkvCache, FadkvLayer
 from kvzip.rope import from_pairs, rotate
 from kvzip.sparse.dictionary import prepare_layers
 
@@ -17,11 +19,23 @@ SMALL = {"sparsity": "4", "screen_pool": "8", "buffer": "8", "code_chunk": "4", 
 
 
 def make_layer(tiny_dictionaries, batch=1, heads=2, inv_freq=None, **opts):
+    """A fadkv layer in a cache of its own (`layer.cache`): its coding runs in the cache's `after_forward`."""
     method = get_method("fadkv", {**SMALL, **opts})
     # pre-RoPE layers keep key atoms (and the key mean, random here) in to_pairs order
     atoms = prepare_layers(tiny_dictionaries, "cpu", paired=inv_freq is not None)[0]
     mean = torch.randn(heads, atoms.keys.shape[1], generator=torch.Generator().manual_seed(0)) * 0.3
-    return method, FadkvLayer(method, atoms._replace(key_mean=mean), rope=inv_freq)
+    layer = FadkvLayer(method, atoms._replace(key_mean=mean), rope=inv_freq)
+    layer.cache = FadkvCache([layer], method, 0)
+    return method, layer
+
+
+def step(layer, k, v, q):
+    """One decode forward of a lone layer, through its cache's lifecycle: store, attend, then code what is due."""
+    layer.cache.before_forward(torch.ones(k.shape[0], layer.seen + k.shape[2], dtype=torch.long), k.shape[2])
+    layer.update(k, v)
+    out = layer.attend(None, q, None, None, None, 0.25)
+    layer.cache.after_forward()
+    return out
 
 
 def feed(layer, steps, batch=1, heads=2, dim=16, q_heads=4, seed=0):
@@ -29,8 +43,7 @@ def feed(layer, steps, batch=1, heads=2, dim=16, q_heads=4, seed=0):
     out = None
     for _ in range(steps):
         k, v = torch.randn(batch, heads, 1, dim, generator=g), torch.randn(batch, heads, 1, dim, generator=g)
-        layer.update(k, v)
-        out = layer.attend(None, torch.randn(batch, q_heads, 1, dim, generator=g), None, None, None, 0.25)
+        out = step(layer, k, v, torch.randn(batch, q_heads, 1, dim, generator=g))
     return out
 
 
@@ -61,7 +74,7 @@ def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, val
     assert layer.coded_values.codes.idx.shape[-1] == (int(value_sparsity) or 4)
     assert layer.coded_pos.shape[1] > 40
     if adapt != "none":
-        assert layer.stats.replaced > 0
+        assert layer.cache.coding.replaced > 0
     query = torch.randn(1, 4, 1, 16)
     got = layer._attention(query, None, 0.25)  # (1, 1, 4, 16)
     keys, values = dense_keys_values(layer, 0)
@@ -122,7 +135,7 @@ def test_rebuilt_values_equal_per_atom_sums(tiny_dictionaries, adapt, monkeypatc
     _, layer = make_layer(tiny_dictionaries, adapt=adapt, adapt_threshold="0.2")
     feed(layer, 60)
     if adapt != "none":
-        assert layer.stats.replaced > 0
+        assert layer.cache.coding.replaced > 0
     t = layer.coded_pos.shape[1]
     w = torch.rand(1, 2, 6, t)
     values = layer.coded_values
@@ -151,7 +164,7 @@ def test_prerope_codes_content_keys(tiny_dictionaries):
                  torch.randn(1, 2, 1, 16))
     layer.update(rotate(content, torch.tensor([1]), inv_freq).view(1, 1, 1, 16).expand(1, 2, 1, 16).clone(),
                  torch.randn(1, 2, 1, 16))
-    layer._compress(prefill=True)
+    compress([layer], True, CodingStats())  # what the cache's after_forward runs after a prompt's forward
     idx, coef = layer.coded_keys.codes.idx, layer.coded_keys.codes.coefficients()
     assert idx.shape[2] == 2
     for t in range(2):
@@ -171,9 +184,9 @@ def test_fixed_adaptation_never_grows_and_keeps_old_codes_valid(tiny_dictionarie
     n = layer.coded_keys.n_atoms
     before_keys, _ = dense_keys_values(layer, 0)
     first = layer.coded_pos.shape[1]
-    replaced = layer.stats.replaced
+    replaced = layer.cache.coding.replaced
     feed(layer, 200, seed=1)
-    assert layer.stats.replaced > replaced
+    assert layer.cache.coding.replaced > replaced
     assert layer.coded_keys.n_total() == n and layer.coded_values.n_total() == n
     assert int(layer.coded_keys.overlay.ids.max()) < n
     after_keys, _ = dense_keys_values(layer, 0)
@@ -187,7 +200,7 @@ def test_append_grows_and_none_stays_static(tiny_dictionaries):
     assert grow.coded_keys.n_total() > grow.coded_keys.n_atoms
     _, static = make_layer(tiny_dictionaries, adapt="none")
     feed(static, 60)
-    assert static.stats.replaced == 0 and static.coded_keys.overlay.ids.numel() == 0
+    assert static.cache.coding.replaced == 0 and static.coded_keys.overlay.ids.numel() == 0
 
 
 def test_batched_rows_keep_their_own_dictionaries(tiny_dictionaries):
@@ -197,11 +210,9 @@ def test_batched_rows_keep_their_own_dictionaries(tiny_dictionaries):
     _, both = make_layer(tiny_dictionaries, adapt="fixed", adapt_threshold="0.2")
     singles = [make_layer(tiny_dictionaries, adapt="fixed", adapt_threshold="0.2")[1] for _ in range(2)]
     for k, v, q in steps:
-        both.update(k, v)
-        out = both.attend(None, q, None, None, None, 0.25)
+        out = step(both, k, v, q)
         for row, layer in enumerate(singles):
-            layer.update(k[row:row + 1], v[row:row + 1])
-            one = layer.attend(None, q[row:row + 1], None, None, None, 0.25)
+            one = step(layer, k[row:row + 1], v[row:row + 1], q[row:row + 1])
             torch.testing.assert_close(out[row:row + 1], one, rtol=1e-5, atol=1e-5)
     for row, layer in enumerate(singles):
         assert torch.equal(both.coded_keys.codes.idx[row], layer.coded_keys.codes.idx[0])

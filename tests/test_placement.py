@@ -78,12 +78,22 @@ def test_fadkv_split_over_two_devices_codes_per_device_and_equals_one(tiny, toke
                 if isinstance(e, engine.Result)]
 
     one = method.make_cache(tiny, tiny_dictionaries)
+    expected = tokens(one)
     monkeypatch.setattr(kvzip.methods.fadkv, "layer_devices", lambda model: [torch.device("cpu"), torch.device("cpu", 0)])
     two = method.make_cache(tiny, tiny_dictionaries)
-    assert [len(layer.group.layers) for layer in two.layers] == [1, 1] and two.layers[0].group is not two.layers[1].group
-    assert two.layers[0].stats is two.layers[1].stats  # one set of coding totals for the cache
-    assert tokens(two) == tokens(one)
+    coded, real = [], kvzip.methods.fadkv.compress
+
+    def compress(layers, prefill, stats):
+        coded.append(([next(i for i, y in enumerate(two.layers) if y is x) for x in layers], stats))
+        return real(layers, prefill, stats)
+
+    monkeypatch.setattr(kvzip.methods.fadkv, "compress", compress)
+    assert tokens(two) == expected
+    assert {tuple(layers) for layers, _ in coded} == {(0,), (1,)}  # each device's layers coded on their own
+    assert all(stats is two.coding for _, stats in coded)  # one set of coding totals for the cache
+    assert two.layers[0].atoms.slot == two.layers[1].atoms.slot == 0  # each device's own Gram stack
     assert two.stats()["tokens_coded"] == one.stats()["tokens_coded"] > 0
+    assert two.stats()["mean_residual"] == one.stats()["mean_residual"]
 
 
 def test_device_map_parsing_and_checks(tmp_path):

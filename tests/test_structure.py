@@ -1,6 +1,6 @@
-"""Fast tier: scripts/check_structure.py passes on kvzip/ and fails on crafted packages that break its two rules
-(a library module importing the CLI; a cycle of module-level imports, absolute or relative); the package's
-`__main__`, an entry point like the console script, may import the CLI."""
+"""Fast tier: scripts/check_structure.py passes on kvzip/ and fails on crafted packages that break its rules (a library
+module importing the CLI; a cycle of module-level imports, absolute or relative; a method file over 400 lines); the
+package's `__main__`, an entry point like the console script, may import the CLI."""
 
 from __future__ import annotations
 
@@ -70,3 +70,14 @@ def test_module_level_cycles_fail_absolute_and_relative(tmp_path):
 def test_a_folder_without_init_is_refused(tmp_path):
     got = run(tmp_path)
     assert got.returncode == 2 and "not a package folder" in got.stderr
+
+
+def test_a_method_file_over_the_limit_fails(tmp_path):
+    body = "x = 1\n" * 401
+    root = package(tmp_path, {"methods/__init__.py": "", "methods/big.py": body, "methods/sub/__init__.py": "",
+                              "methods/sub/ok.py": "x = 1\n" * 400, "engine.py": body})  # only methods/ counts
+    got = run(root)
+    assert got.returncode == 1
+    assert got.stdout.strip().splitlines() == [
+        f"{root / 'methods' / 'big.py'}: 401 lines; a method file stays under 400: move its machinery into a module "
+        "of its own"]

@@ -14,7 +14,7 @@ from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, KVLayer, Method
 
 # Display order for the known methods; any other method follows in file order.
-_ORDER = ["full", "window", "h2o", "sumr", "zoomr", "lexico", "fadkv", "hf-fp8", "hf-int4", "hf-int2"]
+_ORDER = ["full", "window", "h2o", "rkv", "sumr", "zoomr", "lexico", "fadkv", "hf-fp8", "hf-int4", "hf-int2"]
 
 
 def _discover() -> dict[str, type[Method]]:

@@ -117,6 +117,16 @@ class KVLayer(FullBytes, CacheLayerMixin):
     def memory(self) -> dict[str, int]:
         raise NotImplementedError
 
+    def reset(self) -> None:
+        """Back to the state before the first forward: every per-token tensor is made anew by `lazy_initialization`
+        from the next keys the layer sees."""
+        self.is_initialized, self.seen = False, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Refused unless a subclass knows every per-row tensor it holds (`DenseLayer` does)."""
+        raise UserError(f"{type(self).__name__} cannot reorder its rows (beam search): its per-row state is not only "
+                        "keys and values; decode with one row per sequence instead")
+
 
 class DenseLayer(KVLayer):
     """A layer that keeps some tokens dense: keys and values (B, Hkv, S, d) and their virtual positions (B, S), new
@@ -132,6 +142,8 @@ class DenseLayer(KVLayer):
     DynamicCache's transient copy in its `cat`."""
 
     SPARE = 16  # slots of spare room at least (or 1/16 of those stored), allocated beyond the stored tokens
+    # the per-row tensors (batch first) `reorder_cache` moves; a subclass adds what else it keeps per row, or refuses
+    ROW_TENSORS: typing.ClassVar[tuple[str, ...]] = ("keys", "values", "positions")
 
     def dense_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
@@ -210,6 +222,19 @@ class DenseLayer(KVLayer):
         self.appended[name] = (view, start - count)
         return view
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows reordered (or repeated) as `beam_idx` (B',) says, every per-row tensor of `ROW_TENSORS` alike; a layer
+        that keeps per-row state beyond them sets `ROW_TENSORS = ()` and refuses."""
+        if not self.ROW_TENSORS:
+            return super().reorder_cache(beam_idx)
+        if not self.is_initialized:
+            return
+        for name in self.ROW_TENSORS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.index_select(0, beam_idx.to(value.device)))
+        self.batch = len(beam_idx)
+
     def memory(self) -> dict[str, int]:
         """The dense tier on the device; a subclass that keeps more (scores, codes, a host tier) adds its own."""
         return {"device": tensor_bytes(self.keys, self.values)}
@@ -246,6 +271,27 @@ class KVCache(Cache):
 
     def on_step(self, token_ids: torch.Tensor, texts: list[str]) -> None:
         """Called after each sampled token: token_ids (B,), texts the decoded delta per row. No-op by default."""
+
+    def before_forward(self, attention_mask: torch.Tensor, new_tokens: int) -> None:
+        """Called before every forward with the 2D mask (B, past + new_tokens) the forward will get: cache-wide
+        work for the tokens about to be fed (plans, rebuilds, evictions) runs here, never inside a layer's forward.
+        No-op by default."""
+
+    def after_forward(self) -> None:
+        """Called after every forward, once every layer has stored its new tokens and attended: cache-wide work that
+        reads what this forward wrote (coding, finishing thoughts, votes) runs here. No-op by default."""
+
+    def reset(self) -> None:
+        """Forget every token: each layer goes back to its state before the first forward (transformers' `reset`
+        zeroes keys and values alone, which would leave positions, codes and thought state stale)."""
+        for layer in self.layers:
+            layer.reset()
+            layer.is_initialized = False  # transformers' own layers (full, the peers) start afresh on the next update
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder (or repeat) the rows, as beam search asks; every layer does it or refuses in one line."""
+        for layer in self.layers:
+            layer.reorder_cache(beam_idx)
 
     def memory(self) -> dict[str, int]:
         """Bytes by tier summed over layers, plus the full-cache bytes for the same tokens."""

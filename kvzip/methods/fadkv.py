@@ -28,24 +28,27 @@ every token, coded or dense, that its next query can no longer see (the atoms th
 
 from __future__ import annotations
 
-import time
 import typing
 from dataclasses import dataclass
 
 import torch
 
-from kvzip.attention import causal_tail, dense_attention, gather_mask, gather_tokens, leading_padding
+from kvzip import kernels
+from kvzip.attention import causal_tail, dense_attention, gather_mask
 from kvzip.errors import UserError
 from kvzip.methods.base import DenseLayer, KVCache, Method, check_choice, check_positive, model_layout, tensor_bytes
-from kvzip.methods.coded.coding import ADAPT, CodingStats, code_kinds, left_holed
+from kvzip.methods.coded.coding import ADAPT, CodingStats
+from kvzip.methods.coded.compress import compress
 from kvzip.methods.coded.state import CodedKind
 from kvzip.placement import layer_devices
-from kvzip.rope import attention_windows, as_rope, layer_ropes, phasors, to_pairs, turn_pairs, visible_from
+from kvzip.rope import (angles, attention_windows, as_rope, from_pairs, layer_ropes, phasors, to_pairs, turn_pairs,
+                        visible_from)
 from kvzip.sparse import CACHE_CODERS, KEY_MODES, KEY_OPTIONS, attention as coded
 from kvzip.sparse.dictionary import LayerAtoms, prepare_for_devices
 from kvzip.sparse.omp import reconstruct
 from kvzip.sparse.screen import PICKS, SHOTS
 
+KERNELS = ("auto", "torch")
 # pre-RoPE scores rebuild at most this many coded keys at a time (per row and KV head): never a dense copy of the past
 SCORE_CHUNK = 2048
 
@@ -54,19 +57,25 @@ class FadkvLayer(DenseLayer):
     """Dense sinks and buffer (keys, values, positions), older tokens coded (`coded_keys`, `coded_values`:
     kvzip.methods.coded.state, at `coded_pos`)."""
 
-    def __init__(self, cfg: "Fadkv", atoms: LayerAtoms, rope=None, rope_memo=None, sliding=None, group=None):
+    # codes, overlays and atom counts are per-row state beyond keys and values: reordering rows is refused
+    ROW_TENSORS = ()
+
+    def __init__(self, cfg: "Fadkv", atoms: LayerAtoms, rope=None, rope_memo=None, sliding=None):
         super().__init__(sliding)
-        # the layers this one is coded with, after the last of them has attended (a layer built alone: itself)
-        self.group = LayerGroup([self]) if group is None else group
         self.rope = None if rope is None else as_rope(rope)  # this layer's Rope when keys are coded before RoPE
         self.rope_memo = {} if rope_memo is None else rope_memo  # shared by a cache's layers: RoPE tables per step
         self.cfg, self.atoms = cfg, atoms  # atoms: the layer's shared dictionary (with rope, keys in pair order)
         self.key_mean = atoms.key_mean  # (Hkv, d) or None; with rope, in `to_pairs` order
+        self.pad = None  # (B,) left-padding tokens of each row (positions below it are padding), set by the prefill
 
-    @property
-    def stats(self) -> CodingStats:
-        """The coding totals of this layer's group (every layer of a cache)."""
-        return self.group.stats
+    def set_padding(self, padding: torch.Tensor) -> None:
+        """Each row's left padding, from the first prompt's mask (a later prompt continues the same rows)."""
+        if self.pad is None:
+            self.pad = padding
+
+    def reset(self) -> None:
+        super().reset()
+        self.pad = None
 
     def dense_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dense tier (sinks + buffer) is kept in half precision when the model runs fp32: it is a cache, not a
@@ -81,18 +90,13 @@ class FadkvLayer(DenseLayer):
         self.coded_keys = CodedKind(a.keys, a.grams, a.slot, self.cfg.sparsity, fmt, b, h)
         self.coded_values = CodedKind(a.values, a.grams, a.slot + 1, self.cfg.value_sparsity or self.cfg.sparsity, fmt,
                                       b, h)
-        self.pad = None  # (B,) left-padding tokens of each row (positions below it are padding), set by the prefill
 
     @property
     def kinds(self) -> tuple[CodedKind, CodedKind]:
         return self.coded_keys, self.coded_values
 
     def attend(self, module, query, key, value, mask, scaling):
-        if self.pad is None:  # the first forward: what of each row is left padding
-            self.pad = leading_padding(mask, self.batch, self.keys.device)
-        out = self._attention(query, mask, scaling)
-        self.group.attended(self, prefill=query.shape[2] > 1)
-        return out
+        return self._attention(query, mask, scaling)  # coding runs after the forward (FadkvCache.after_forward)
 
     def memory(self) -> dict[str, int]:
         k, v = (kind.bytes() for kind in self.kinds)
@@ -127,6 +131,8 @@ class FadkvLayer(DenseLayer):
             out = dense_attention(query, self.keys.to(query.dtype), self.values.to(query.dtype), mask, scaling,
                                   positions=self.positions)
             return out.nan_to_num(0.0)  # a left-padding query sees nothing: keep its (never used) output finite
+        if q == 1 and self._fused():
+            return self._fused_attention(query, mask, scaling)
         h = self.kv_heads
         g = hq // h
         # (B, H, g*q, d): query heads grouped under their KV head, scaled once here rather than every score
@@ -162,6 +168,46 @@ class FadkvLayer(DenseLayer):
             w_atoms = coded.atom_weights(w_coded, v_idx.long(), coded.dequantize(v_st, None), values.n_total() + 1)
             out = out + values.values_from_atoms(w_atoms)
         return out.view(b, h, g, q, d).reshape(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous()
+
+    def _fused(self) -> bool:
+        """Whether one new token's attention runs in the fused CPU kernel (kvzip/kernels) rather than the PyTorch
+        reference below: `kernel=auto`, on the CPU, int8 or fp16 coefficients, and the kernel built."""
+        return (self.cfg.kernel == "auto" and self.keys.device.type == "cpu"
+                and self.coded_keys.codes.stored.dtype in (torch.int8, torch.float16) and kernels.available())
+
+    def _fused_attention(self, query, mask, scaling):
+        """query (B, Hq, 1, d) -> (B, 1, Hq, d) by `torch.ops.kvzip.coded_decode_attention`: the same attention as
+        the reference path, in one pass per row and KV head."""
+        b, hq, _, d = query.shape
+        h = self.kv_heads
+        qg = (query.float().reshape(b, h, hq // h, d) * scaling).contiguous()  # (B, H, G, d)
+        positions = torch.cat([self.coded_pos, self.positions], 1)
+        width = positions.shape[1]
+        allowed = self._allowed(mask, positions, 1, width, query.device)
+        allowed = (torch.ones(b, width, dtype=torch.bool, device=query.device) if allowed is None
+                   else allowed.expand(b, 1, width).reshape(b, width).contiguous())
+        dim = None if self.rope is None else self.rope.dim  # pre-RoPE: the kernel turns keys in the model's order
+        (k_table, k_index), (v_table, v_index) = self.coded_keys.lookup(dim), self.coded_values.lookup()
+        k, v = self.coded_keys.codes, self.coded_values.codes
+        if self.key_mean is not None and "mean" not in self.__dict__:
+            mean = self.key_mean.float()
+            self.mean = (mean if dim is None else from_pairs(mean, dim)).contiguous()
+        out = torch.ops.kvzip.coded_decode_attention(
+            qg, k.idx, k.stored, k.scale, k_table, k_index, v.idx, v.stored, v.scale, v_table, v_index,
+            None if self.key_mean is None else self.mean,
+            None if self.rope is None else self._rope_cs(), self.coded_pos, self.keys, self.values, allowed)
+        return out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
+
+    def _rope_cs(self) -> torch.Tensor:
+        """(P, 2, dim/2) fp32: RoPE's scaled cos and sin at every position up to the newest, for the fused kernel;
+        shared by the layers with this RoPE and kept across steps, grown by 1,024 positions when outgrown."""
+        key = ("cs", id(self.rope))
+        table = self.rope_memo.get(key)
+        if table is None or table.shape[0] < self.seen:
+            cos, sin = angles(torch.arange(self.seen + 1024, device=self.keys.device), self.rope.inv_freq)
+            table = torch.stack([cos, sin], 1).mul_(self.rope.scale).contiguous()
+            self.rope_memo[key] = table
+        return table
 
     def _rebuilt_chunks(self, kind: CodedKind):
         """Yield (slice, vectors (B, H, Tc, d)) for each chunk of SCORE_CHUNK coded tokens, rebuilt from their codes
@@ -206,13 +252,14 @@ class FadkvLayer(DenseLayer):
         """RoPE turns (B, T, dim/2) complex of the coded tokens' positions. Layers with the same RoPE and window code
         the same positions, so the table is computed by the first of them in a forward and reused by the others (kept
         only until the next step)."""
-        if self.rope_memo.get("seen") != self.seen:
-            self.rope_memo.clear()
-            self.rope_memo["seen"] = self.seen
+        memo = self.rope_memo.setdefault("step", {})
+        if memo.get("seen") != self.seen:
+            memo.clear()
+            memo["seen"] = self.seen
         key = (id(self.rope), self.sliding, self.coded_pos.shape[1])
-        if key not in self.rope_memo:
-            self.rope_memo[key] = phasors(self.coded_pos, self.rope)
-        return self.rope_memo[key]
+        if key not in memo:
+            memo[key] = phasors(self.coded_pos, self.rope)
+        return memo[key]
 
     @staticmethod
     def _allowed(mask, positions, q, width, device):
@@ -230,159 +277,34 @@ class FadkvLayer(DenseLayer):
             allowed = (~holes[:, None, :]) if allowed is None else allowed & ~holes[:, None, :]
         return allowed
 
-    # ---- coding ---------------------------------------------------------------------------------------------
-    def _compress(self, prefill: bool) -> None:
-        """Code this layer's due tokens on its own (the cache codes all its layers together: `LayerGroup`)."""
-        compress([self], prefill, self.stats)
-
-    def plan(self, prefill: bool) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Which dense columns each row codes now and which it keeps, on the row's own schedule (as if it ran alone):
-        a prefill codes all beyond the sinks and buffer, a decode step a whole number of chunks once a chunk has
-        gathered. Left padding is neither coded nor kept. None when no row codes."""
-        pad = self.pad if self.pad is not None else torch.zeros(self.batch, dtype=torch.long, device=self.keys.device)
-        real = self.positions >= pad[:, None]  # (B, S) real tokens; holes (-1) and left padding are not
-        due = []
-        for n in real.sum(1).tolist():
-            sinks = min(self.cfg.sinks, n)
-            codeable = n - sinks - self.cfg.buffer
-            if codeable <= 0 or (not prefill and codeable < self.cfg.code_chunk):
-                codeable = 0
-            elif not prefill:
-                codeable -= codeable % self.cfg.code_chunk
-            due.append((sinks, codeable))
-        if not any(codeable for _, codeable in due):
-            return None
-        plan = []
-        for b, (sinks, codeable) in enumerate(due):
-            cols = real[b].nonzero().squeeze(-1)
-            plan.append((cols[sinks : sinks + codeable], torch.cat([cols[:sinks], cols[sinks + codeable :]])))
-        return plan
-
-    def vectors(self, plan, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The keys and values the plan codes, as the dictionaries hold them: (B', H, width, d) fp32 each for rows
-        (B',), each row's right-aligned after zero filler, and which entries are real (B', width). Keys are centred
-        (key mean removed) and, for pre-RoPE dictionaries, turned back to how k_proj wrote them, in pair order."""
-        h, d = self.kv_heads, self.keys.shape[-1]
-        keys = torch.zeros(len(rows), h, width, d, device=self.keys.device)
-        values, real = torch.zeros_like(keys), torch.zeros(len(rows), width, dtype=torch.bool, device=keys.device)
-        for i, b in enumerate(rows):
-            cols = plan[b][0]
-            if not len(cols):
-                continue
-            k = self.keys[b][:, cols].float()  # (H, c_b, d)
-            if self.rope is not None:
-                k = turn_pairs(to_pairs(k, self.rope.dim), phasors(self.positions[b, cols], self.rope, inverse=True))
-            if self.key_mean is not None:
-                k = k - self.key_mean[:, None, :]
-            keys[i, :, width - len(cols) :] = k
-            values[i, :, width - len(cols) :] = self.values[b][:, cols].float()
-            real[i, width - len(cols) :] = True
-        return keys, values, real
-
-    def store(self, plan, codes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep the codes (idx, coef (B, H, width, s) for keys, then values) of the plan's tokens and drop those
-        tokens from the dense tier. Rows stay rectangular by holes (position -1, masked) at the front of each tier."""
-        for kind, (idx, coef) in zip(self.kinds, codes):
-            kind.codes.append(idx, coef, self.cfg.coef_format)
-        self.coded_pos = torch.cat([self.coded_pos, self._holed(self.positions, [code for code, _ in plan])], 1)
-        self._compact_codes()
-        index, valid = left_holed([keep for _, keep in plan])  # (B, S') gather index and which entries are real
-        self.keys, self.values = gather_tokens(self.keys, index), gather_tokens(self.values, index)
-        self.positions = self.positions.gather(1, index).masked_fill(~valid, -1)
-
-    def _compact_codes(self) -> None:
-        """Each row's real coded tokens right-aligned, holes in front, the tier as wide as its fullest row. Rows of a
-        batch code on their own schedules, so each compress leaves holes in the rows that coded less; without this
-        they would pile up, a chunk's width per row out of phase (8 rows: the coded tier 1.5x a full cache)."""
-        real = self.coded_pos >= 0  # (B, T)
-        width = int(real.sum(1).max())
-        if width == real.shape[1]:
-            return
-        index, valid = left_holed([row.nonzero().squeeze(-1) for row in real])  # (B, width)
-        for kind in self.kinds:
-            kind.codes.gather(index)
-        self.coded_pos = self.coded_pos.gather(1, index).masked_fill(~valid, -1)
-
-    def _holed(self, pos: torch.Tensor, cols: list[torch.Tensor]) -> torch.Tensor:
-        """Positions (B, width) of each row's chosen columns, -1 for the holes in front of a shorter row."""
-        index, valid = left_holed(cols)
-        return pos.gather(1, index).masked_fill(~valid, -1)
-
-
-# the most vectors (per kind, over layers, rows and heads) built for one coder call: a decode step of every layer
-# (30 x 8 x 96 for SmolLM2 at batch 8) fits; a long prompt's prefill is coded a few layers at a time
-MAX_VECTORS = 1 << 16
-
-
-def compress(layers: list[FadkvLayer], prefill: bool, stats: CodingStats) -> None:
-    """Code the due tokens of all `layers` (`FadkvLayer.plan`) in as few coder calls as MAX_VECTORS allows: keys and
-    values of every layer and row together when their sparsity is the same. Each layer then stores its codes."""
-    plans = [(layer, plan) for layer in layers if (plan := layer.plan(prefill)) is not None]
-    if not plans:
-        return
-    t0 = time.perf_counter()
-    batch = layers[0].batch
-    rows = [b for b in range(batch) if any(len(plan[b][0]) for _, plan in plans)]
-    width = max(len(plan[b][0]) for _, plan in plans for b in rows)
-    row_index = torch.tensor(rows, device=layers[0].keys.device)
-    per_layer = len(rows) * layers[0].kv_heads * width
-    step = max(1, MAX_VECTORS // per_layer)
-    cfg = layers[0].cfg
-    for start in range(0, len(plans), step):
-        part = plans[start : start + step]
-        built = [layer.vectors(plan, rows, width) for layer, plan in part]  # (keys, values, real) per layer
-        kinds = [kind for layer, _ in part for kind in layer.kinds]  # keys, values of each layer
-        x = [v for keys, values, _ in built for v in (keys, values)]  # (B', H, width, d) each
-        real = [r[:, None, :].expand(-1, x[0].shape[1], -1) for _, _, r in built for _ in (0, 1)]
-        codes = [None] * len(kinds)
-        calls = [range(len(kinds))] if len({kind.sparsity for kind in kinds}) == 1 else [range(0, len(kinds), 2),
-                                                                                          range(1, len(kinds), 2)]
-        for call in calls:
-            xs = torch.stack([x[i] for i in call]).flatten(2, 3)  # (L, B', H·width, d)
-            rs = torch.stack([real[i] for i in call]).flatten(2, 3)
-            idx, coef = code_kinds([kinds[i] for i in call], row_index, xs, rs, cfg, stats, part[0][0].seen)
-            for j, i in enumerate(call):
-                codes[i] = (_full_rows(idx[j], row_index, batch, width), _full_rows(coef[j], row_index, batch, width))
-        for n, (layer, plan) in enumerate(part):
-            layer.store(plan, codes[2 * n : 2 * n + 2])
-    stats.seconds += time.perf_counter() - t0
-
-
-def _full_rows(codes: torch.Tensor, rows: torch.Tensor, batch: int, width: int) -> torch.Tensor:
-    """codes (B', H·width, s) of rows (B',) -> (B, H, width, s), zero (holes) in the rows that coded nothing."""
-    out = codes.new_zeros(batch, codes.shape[1] // width, width, codes.shape[-1])
-    out[rows] = codes.view(len(rows), -1, width, codes.shape[-1])
-    return out
-
-
-class LayerGroup:
-    """The layers of one cache on one device, coded together: when the last of them has attended in a forward, every
-    layer's due tokens are coded in one pass (a layer's coding only changes what its next forward sees, so deferring
-    it to the end of this one changes nothing), then sliding-window layers drop what their next query cannot see.
-    The groups of a cache split over devices share one CodingStats."""
-
-    def __init__(self, layers: list[FadkvLayer], stats: CodingStats | None = None):
-        self.layers, self.stats = layers, CodingStats() if stats is None else stats
-
-    def attended(self, layer: FadkvLayer, prefill: bool) -> None:
-        if layer is not self.layers[-1]:
-            return
-        compress(self.layers, prefill, self.stats)
-        for lay in self.layers:
-            if lay.sliding is not None:
-                lay._slide()
-
-
 class FadkvCache(KVCache):
-    def __init__(self, layers: list[FadkvLayer], method: "Fadkv", shared_bytes: int):
+    """The layers of one cache are coded together: after every forward, every layer's due tokens are coded in one
+    pass (kvzip/methods/coded/compress.py), then sliding-window layers drop what their next query cannot see."""
+
+    def __init__(self, layers: list[FadkvLayer], method: "Fadkv", shared_bytes: int, devices: list | None = None):
         super().__init__(layers, method)
         self.shared_bytes = shared_bytes  # the shared dictionary: reported apart, not counted as cache, like weights
+        self.coding, self.prefill, self.devices = CodingStats(), False, devices or [None] * len(layers)
+
+    def reset(self) -> None:
+        super().reset()
+        self.coding = CodingStats()
+
+    def before_forward(self, attention_mask: torch.Tensor, new_tokens: int) -> None:
+        self.prefill = new_tokens > 1  # a prompt codes all beyond sinks and buffer, a decode step whole chunks
+
+    def after_forward(self) -> None:
+        for device in dict.fromkeys(self.devices):  # a model split over devices: each one's layers (and atoms) apart
+            compress([x for x, d in zip(self.layers, self.devices) if d == device], self.prefill, self.coding)
+        for layer in self.layers:
+            if layer.sliding is not None:
+                layer._slide()
 
     def stats(self) -> dict:
         layers = [lay for lay in self.layers if lay.is_initialized]
         if not layers:
             return {}
-        totals = layers[0].stats  # one CodingStats for the whole cache (LayerGroup)
+        totals = self.coding
         coded_tokens = layers[0].coded_pos.shape[1]
         active = sum(int((kind.refcount > 0).sum()) for lay in layers for kind in lay.kinds)
         return {
@@ -420,6 +342,7 @@ class Fadkv(Method):
     code_chunk: int = 32
     sinks: int = 4
     keys: str = "auto"  # auto: as the dictionary was trained; the default file is the pre-RoPE one when shipped
+    kernel: str = "auto"  # auto: decode attention in the fused CPU kernel where it runs (kvzip/kernels); torch: never
     preferred_keys: typing.ClassVar[str] = "pre-rope"
 
     def __post_init__(self):
@@ -429,6 +352,7 @@ class Fadkv(Method):
         check_choice("adapt", self.adapt, ADAPT)
         check_choice("screen_shots", self.screen_shots, SHOTS)
         check_choice("screen_pick", self.screen_pick, PICKS)
+        check_choice("kernel", self.kernel, KERNELS)
         if self.value_sparsity < 0:
             raise ValueError(f"value_sparsity must be >= 0 (0: the same as sparsity), got {self.value_sparsity}")
         check_positive(sparsity=self.sparsity, screen_pool=self.screen_pool, code_chunk=self.code_chunk,
@@ -455,16 +379,12 @@ class Fadkv(Method):
         if max(self.sparsity, self.value_sparsity) > dictionaries.num_atoms:
             raise UserError(f"sparsity {max(self.sparsity, self.value_sparsity)} exceeds the dictionary's "
                             f"{dictionaries.num_atoms} atoms")
-        devices = layer_devices(model)  # a model split over devices: each layer's atoms, codes and group on its own
+        devices = layer_devices(model)  # a model split over devices: each layer's atoms, RoPE tables, coding there
         prepared = prepare_for_devices(dictionaries, devices, paired=[r.dim for r in ropes] if ropes else False)
         shared = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
-        stats, groups, memos, built = CodingStats(), {}, {}, []
-        for i, device in enumerate(devices):
-            group = groups.setdefault(device, LayerGroup([], stats))
-            group.layers.append(FadkvLayer(self, prepared[i], rope=ropes[i] if ropes else None,
-                                           rope_memo=memos.setdefault(device, {}), sliding=windows[i], group=group))
-            built.append(group.layers[-1])
-        return FadkvCache(built, self, shared)
+        memos: dict = {d: {} for d in devices}
+        return FadkvCache([FadkvLayer(self, prepared[i], rope=ropes[i] if ropes else None, rope_memo=memos[devices[i]],
+                                      sliding=windows[i]) for i in range(layers)], self, shared, devices)
 
 
 @dataclass

@@ -17,11 +17,13 @@ import torch
 
 from kvzip.attention import attention_with_weights, causal_tail, gather_mask, gather_tokens
 from kvzip.methods.base import KVCache, Method, check_positive, tensor_bytes
-from kvzip.methods.window import WindowCache, WindowLayer
+from kvzip.methods.window import WindowCache, WindowLayer, top_and_recent
 from kvzip.rope import attention_windows, visible_from
 
 
 class H2OLayer(WindowLayer):
+    ROW_TENSORS = WindowLayer.ROW_TENSORS + ("score",)
+
     def __init__(self, heavy: int, window: int, sliding: int | None = None):
         super().__init__(sinks=0, window=window, sliding=sliding)
         self.heavy = heavy
@@ -60,9 +62,7 @@ class H2OLayer(WindowLayer):
         if mask is not None:  # padding never counts as a heavy hitter
             real = gather_mask(mask[:, :, -1:], self.positions[:, : stored - self.window])[:, 0, 0]
             old = old.masked_fill(~real, float("-inf"))
-        heavy = old.topk(self.heavy, dim=-1).indices.sort(-1).values  # (B, heavy)
-        recent = torch.arange(stored - self.window, stored, device=heavy.device).expand(self.batch, self.window)
-        index = torch.cat([heavy, recent], dim=1)  # (B, keep)
+        index = top_and_recent(old, self.heavy, self.window)  # (B, keep)
         self.keys, self.values = gather_tokens(self.keys, index), gather_tokens(self.values, index)
         self.positions, self.score = self.positions.gather(1, index), self.score.gather(1, index)
         self.evicted += stored - keep

@@ -64,6 +64,10 @@ class PeerFp8Layer(_PeerMemory, Fp8QuantizedLayer):
     def set_padding(self, padding: torch.Tensor) -> None:
         self.padding = padding
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise UserError("hf-fp8 cannot reorder its rows (beam search): each row's fp8 scale is frozen on its prefill; "
+                        "decode with one row per sequence instead")
+
     def _quantize(self, tensor, scale=None):
         if scale is None:  # calibrate one scale per row on its real tokens, so a batch row quantizes as if alone
             real = torch.ones(tensor.shape[0], tensor.shape[2], dtype=torch.bool, device=tensor.device)  # (B, T)

@@ -5,6 +5,10 @@ the last `window` tokens. A prefill attends to the whole prompt, then the layer 
 once the window is full. Evicted tokens are gone for good: the baseline every retrieval method has to beat on recall.
 On a sliding-window layer (Gemma 3, Mistral) the layer also drops whatever its next query can no longer see, sinks
 included: the policy applies within the layer's own window.
+
+The skeleton the scored eviction baselines share: `WindowLayer` (the dense cache, each row's padding, the slide of a
+sliding-window layer, the evicted count) and `top_and_recent` (keep the best-scored older tokens and the newest ones).
+h2o and rkv differ only in their score and in when they evict (kvzip/methods/h2o.py, kvzip/methods/rkv.py).
 """
 
 from __future__ import annotations
@@ -19,11 +23,17 @@ from kvzip.rope import attention_windows, visible_from
 
 
 class WindowLayer(DenseLayer):
+    ROW_TENSORS = DenseLayer.ROW_TENSORS + ("pad",)
+
     def __init__(self, sinks: int, window: int, sliding: int | None = None):
         super().__init__(sliding)
         self.sinks, self.window = sinks, window
         self.evicted = 0
         self.pad = None  # (B,) left-padding tokens still stored at the front of each row
+
+    def reset(self) -> None:
+        super().reset()
+        self.evicted, self.pad = 0, None
 
     def attend(self, module, query, key, value, mask, scaling):
         if self.pad is None:
@@ -36,13 +46,14 @@ class WindowLayer(DenseLayer):
     def _slide(self) -> int:
         """On a sliding-window layer, drop the stored tokens the next query cannot see: each row's oldest (rows stay
         sorted by position). A row whose sinks sit later keeps up to `sinks` more, hidden by the model's mask.
-        Returns how many columns went."""
+        Positions may be one set per row (B, S) or one per KV head (B, H, S, rkv's): the columns go where every row
+        (and head) can spare them. Returns how many columns went."""
         if self.sliding is None:
             return 0
-        drop = int((self.positions < visible_from(self.seen, self.sliding)).sum(1).min())
+        drop = int((self.positions < visible_from(self.seen, self.sliding)).sum(-1).min())
         if drop:
             self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
-            self.positions = self.positions[:, drop:]
+            self.positions = self.positions[..., drop:]
             if self.pad is not None:
                 self.pad = (self.pad - drop).clamp(min=0)
             self.evicted += drop
@@ -63,6 +74,16 @@ class WindowLayer(DenseLayer):
         self.positions = self.positions.gather(1, index)
         self.pad = self.pad - start
         self.evicted += stored - keep
+
+def top_and_recent(score: torch.Tensor, top: int, recent: int) -> torch.Tensor:
+    """score (..., S - recent) of the stored tokens but the `recent` newest, -inf where a token must not be kept ->
+    index (..., top + recent) of the tokens to keep: the `top` best-scored, in stored order, then the newest. The
+    leading dims are (B,) for one token set per row or (B, H) for one per KV head."""
+    best = score.topk(top, dim=-1).indices.sort(-1).values
+    stored = score.shape[-1] + recent
+    newest = torch.arange(stored - recent, stored, device=score.device).expand(*score.shape[:-1], recent)
+    return torch.cat([best, newest], dim=-1)
+
 
 class WindowCache(KVCache):
     def stats(self) -> dict:

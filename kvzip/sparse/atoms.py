@@ -32,6 +32,10 @@ class Shared:
         """x (1, m, d) -> (m, N) correlations with every atom (written into `out` when given)."""
         return torch.mm(x.reshape(-1, x.shape[-1]), self.atoms.T, out=out)
 
+    def lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table (N, d), index (1, N) int32): atom a is table[index[0, a]], as the fused kernels read atoms."""
+        return self.atoms.contiguous(), torch.arange(self.size, dtype=torch.int32, device=self.atoms.device)[None]
+
     def reconstruct(self, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
         """Codes idx, coef (M, s) -> vectors (M, d)."""
         return reconstruct(self.atoms, idx, coef)
@@ -80,6 +84,11 @@ class Grouped:
         self.index = index
         self.live = (self.ids >= 0).nonzero(as_tuple=True)  # (group, slot) of every live overlay atom
         self._norms = None
+
+    def lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table (R, d), index (G, size) int32): atom a of group g is table[index[g, a]], as the fused kernels read
+        atoms (appended numbers no overlay fills point at the zero row)."""
+        return self.table.contiguous(), self.index.int().contiguous()
 
     def _group(self, m: int, device) -> torch.Tensor:
         """The group of each of m = G x per vectors (group-major)."""

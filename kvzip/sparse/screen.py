@@ -95,17 +95,38 @@ def _second_shot(xc, dic, first, a, state, n, pick, packed, out):
     return fresh, gram, c1.gather(1, fresh), (torch.bmm(Li, g), Li, z)  # (m, n), ..., (m, n), ((m, k, n), ...)
 
 
+def _fused_chunk(xc: torch.Tensor, dic, s: int, n: int, n2: int, two: bool, pick: str, out=None):
+    """One chunk (G, m, d) fp32 through the fused pursuit (torch.ops.kvzip.screen_pursue, kvzip/kernels): the same
+    shots, pools and picks as the PyTorch path below, each vector's pursuit in one pass with an explicit residual;
+    the correlations with every atom stay one batched product here. Returns idx, coef (G·m, s)."""
+    G, m, d = xc.shape
+    x = xc.reshape(G * m, d).contiguous()
+    table, index = dic.lookup()
+    top = pick == "top"
+    none = torch.empty(G * m, 0, dtype=torch.long, device=x.device)
+    c0 = dic.correlations(xc, out=out).contiguous()
+    if not two:
+        idx, coef, _ = torch.ops.kvzip.screen_pursue(x, c0, table, index, m, none, n, s, top)
+        return idx, coef
+    first, _, res = torch.ops.kvzip.screen_pursue(x, c0, table, index, m, none, n, s // 2, top)
+    c1 = dic.correlations(res.view(G, m, d), out=out).contiguous()
+    c1.scatter_(1, first, 0.0)  # picked atoms are orthogonal to the residual
+    idx, coef, _ = torch.ops.kvzip.screen_pursue(x, c1, table, index, m, first, n2, s, top)
+    return idx, coef
+
+
 @torch.no_grad()
 def screen(x: torch.Tensor, D, s: int, n: int = POOL, gram: torch.Tensor | None = None,
            shots: int = 2, pick: str = "champions", n2: int | None = None,
-           chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           chunk: int | None = None, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Code x (M, d) with s atoms of D (N, d, unit-norm rows) chosen from top-n screening pools; or x (G, m, d) with D
     an atoms.Grouped (each group coded with its own atoms, all in one pass).
 
     Returns idx and coef (x's leading shape, s): idx int64 atom numbers, coef in x.dtype,
     x ≈ (coef.unsqueeze(-1) * D[idx]).sum(-2). `gram` = gram_matrix(D), computed once per dictionary by the caller.
     Computes in fp32. n is clamped to [s, N]. `pick` chooses how pools are formed (module docstring); n2 (default
-    2n) is the second shot's pool size.
+    2n) is the second shot's pool size. `fused`: each pursuit in the fused CPU kernel (the caller checks that
+    kvzip.kernels are available); the same codes but for float rounding on near-ties.
     """
     if shots not in SHOTS:
         raise ValueError(f"shots must be one of {SHOTS}, got {shots}")
@@ -126,6 +147,12 @@ def screen(x: torch.Tensor, D, s: int, n: int = POOL, gram: torch.Tensor | None 
     for part in parts:
         xc = xg[:, part].float()                              # (G, m, d)
         m = xc.shape[0] * xc.shape[1]
+        if fused:
+            i, a = _fused_chunk(xc, dic, s, n, n2, shots == 2 and s >= 2 and n < N, pick,
+                                None if corr is None else corr[:m])
+            idx_out.append(i.view(*xc.shape[:2], s))
+            coef_out.append(a.view(*xc.shape[:2], s))
+            continue
         c0 = dic.correlations(xc, out=None if corr is None else corr[:m])  # (m, N) correlations with every atom
         pool = pick_pool(c0, n, pick, packed[:m])             # (m, n) first candidate pool
         if shots == 2 and s >= 2 and n < N:

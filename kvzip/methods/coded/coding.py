@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvzip import kernels
 from kvzip.methods.coded.state import CodedKind
 from kvzip.sparse.atoms import Grouped
 from kvzip.sparse.omp import omp
@@ -34,11 +35,13 @@ CHUNK = 16384
 
 
 def code(options: "Fadkv", x: torch.Tensor, atoms: Grouped, sparsity: int):
-    """x (G, m, d) -> idx, coef (G, m, s), group g coded over group g's atoms, by the options' coder."""
+    """x (G, m, d) -> idx, coef (G, m, s), group g coded over group g's atoms, by the options' coder (screening's
+    pursuit in the fused CPU kernel where `kernel=auto` and it runs, kvzip/kernels)."""
     if options.coder == "omp":
         return omp(x, atoms, sparsity)
+    fused = options.kernel == "auto" and x.device.type == "cpu" and kernels.available()
     return screen(x, atoms, sparsity, n=options.screen_pool, shots=options.screen_shots, pick=options.screen_pick,
-                  chunk=CHUNK)
+                  chunk=CHUNK, fused=fused)
 
 
 @dataclass

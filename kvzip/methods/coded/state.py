@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvzip.methods.base import tensor_bytes
+from kvzip.rope import from_pairs
 from kvzip.sparse import attention as coded
 
 OVERLAY_ID_BYTES = 8  # the int64 atom number stored with each overlay vector
@@ -27,6 +28,7 @@ class Overlay:
     def __init__(self, batch: int, dim: int, device):
         self.ids = torch.full((batch, 0), -1, dtype=torch.long, device=device)
         self.vectors = torch.zeros(batch, 0, dim, device=device)
+        self.version = 0  # counts changes, so that tables built from the overlay know when they are stale
 
     def put(self, rows: torch.Tensor, atoms: torch.Tensor, vectors: torch.Tensor, ok: torch.Tensor) -> None:
         """Place atoms (B', k) with their vectors (B', k, d) in rows (B',) where ok (B', k): an atom already in a row's
@@ -34,6 +36,7 @@ class Overlay:
         distinct."""
         if not bool(ok.any()):
             return
+        self.version += 1
         ids = self.ids[rows]  # (B', R)
         hit = (ids[:, None, :] == atoms[:, :, None]) & ok[..., None]  # (B', k, R)
         new = ok & ~hit.any(-1)
@@ -113,6 +116,7 @@ class CodedKind:
         self.overlay = Overlay(batch, dim, dev)
         self.refcount = torch.zeros(batch, self.n_atoms, dtype=torch.long, device=dev)
         self.last_used = torch.full((batch, self.n_atoms), -1, dtype=torch.long, device=dev)
+        self._lookup: tuple | None = None  # (overlay version, table, index) for the fused kernel
 
     def bytes(self) -> dict[str, int]:
         return {"codes": self.codes.bytes(), "dictionary": self.overlay.bytes()}
@@ -163,6 +167,29 @@ class CodedKind:
         w_ov = w_atoms.gather(-1, ids)  # (B, H, G, R)
         w_base = w_atoms.scatter(-1, ids, 0.0)
         return w_base[..., : self.n_atoms] @ self.atoms + torch.einsum("bhgr,brd->bhgd", w_ov, ov.vectors)
+
+    def lookup(self, rope_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The atoms each row sees as one table and an index into it, for the fused kernel (kvzip/kernels): table
+        (R, d) fp32 (the shared atoms, a zero row for appended numbers no vector fills yet, then every row's overlay
+        vectors) and index (B, Ntot) int32, atom number -> row of the table. With `rope_dim` (pre-RoPE key atoms,
+        kept in `to_pairs` order) the table is in the model's channel order, as the kernel turns keys. Rebuilt only
+        when the overlay changed."""
+        ov = self.overlay
+        if self._lookup is None or self._lookup[0] != (ov.version, rope_dim):
+            n, d = self.atoms.shape
+            batch, width = ov.ids.shape
+            n_tot = self.n_total()
+            numbers = torch.arange(n_tot, device=self.atoms.device)
+            index = torch.where(numbers < n, numbers, n).expand(batch, n_tot).clone()  # past N: the zero row
+            table = self.atoms
+            if width:
+                table = torch.cat([self.atoms, self.atoms.new_zeros(1, d), ov.vectors.reshape(-1, d).float()])
+                rows, slots = (ov.ids >= 0).nonzero(as_tuple=True)
+                index[rows, ov.ids[rows, slots]] = n + 1 + rows * width + slots
+            if rope_dim is not None:
+                table = from_pairs(table, rope_dim)
+            self._lookup = ((ov.version, rope_dim), table.contiguous(), index.int().contiguous())
+        return self._lookup[1], self._lookup[2]
 
     def atom_table(self, batch: int) -> torch.Tensor:
         """(B, Ntot + 1, d): the atoms each row sees, the shared dictionary patched by the row's overlay, and a spare

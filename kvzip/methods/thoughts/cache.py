@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzip.attention import causal_tail, decode_path, gather_mask, grouped_attention, leading_padding
+from kvzip.attention import causal_tail, decode_path, gather_mask, grouped_attention
 from kvzip.methods.base import DenseLayer, KVCache, tensor_bytes
-from kvzip.methods.thoughts.detail import load_layers, part_bytes, store_layers
+from kvzip.methods.thoughts.detail import part_bytes, store_layers
 from kvzip.methods.thoughts.index import Ballot, head_votes, stack_index
+from kvzip.methods.thoughts.rebuild import rebuild_rows
 from kvzip.methods.thoughts.segment import Row, Segmentation
 from kvzip.methods.thoughts.summary import pick_summary
 from kvzip.rope import unrotate, visible_from
@@ -83,15 +84,13 @@ class ThoughtLayer(DenseLayer):
         self.stacked = None  # centred index keys (B, Hkv, T, d) and valid (B, T), built when first needed
         self.host_bytes = 0
 
+    # rows, summaries, index keys and detail are per-row state beyond keys and values: reordering rows is refused
+    ROW_TENSORS = ()
+
     def attend(self, module, query, key, value, mask, scaling):
-        c = self.cache
-        if self.idx == 0:  # the other layers receive this forward's tokens after it has rebuilt them
-            c.begin_forward(mask, query.shape[2], self.batch, self.device)
         out = self._attention(query, mask, scaling)
-        if c.any_voting:
-            c.queries.append((self, query[:, :, -1]))
-        if self.idx == len(c.layers) - 1:
-            c.end_forward()
+        if self.cache.any_voting:  # the votes are cast for all layers at once, after the forward
+            self.cache.queries.append((self, query[:, :, -1]))
         return out
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -149,48 +148,18 @@ class ThoughtLayer(DenseLayer):
         ends = torch.tensor([e + [0] * (valid.shape[1] - len(e)) for e in ends], device=valid.device)
         return valid & (ends > cut)
 
-    def _write_rows(self, plans: dict):
-        """Rows rebuilt from their plans (`ThoughtCache._plan_row`: positions, sources, loaded K/V, how many of them
-        move), in place: each planned row is gathered from its current slots and the loaded tokens and written
-        right-aligned, empty slots in front (position -1); the slots after the last one that moves (the tail, mostly)
-        are not touched, and every other row is left as it is. The buffer widens only when a row needs more slots
-        than it has and loses the columns that are empty in every row."""
-        rows = {}
-        for b, (pos, src, loaded, moving) in plans.items():
-            # index_select: 4x faster than the same gather written k[:, src] (CPU, 300 slots)
-            k, v = self.keys[b].index_select(1, src[:moving]), self.values[b].index_select(1, src[:moving])
-            if loaded is not None:  # the loaded tokens in their places
-                lk, lv, into, origin = loaded
-                k.index_copy_(1, into, lk.index_select(1, origin))
-                v.index_copy_(1, into, lv.index_select(1, origin))
-            rows[b] = k, v, pos
-        need = max((p.numel() for _, _, p in rows.values()), default=0)
-        width = self.keys.shape[2]
-        if need > width:  # widen on the left (older slots are further left in every row), zeros: no NaN to mask
-            for name, fill in (("keys", 0), ("values", 0), ("positions", -1)):
-                self.prepend(name, need - width, fill)
-            width = need
-        for b, (k, v, p) in rows.items():
-            n = self.lengths[b] = p.numel()
-            self.keys[b, :, width - n : width - n + k.shape[1]] = k  # the rest of the row is where it was
-            self.values[b, :, width - n : width - n + k.shape[1]] = v
-            self.positions[b, width - n :] = p
-            self.positions[b, : width - n] = -1
-        if self.sliding is None:  # the columns no row uses lead, rows being right-aligned
-            drop = width - max(self.lengths)
-        else:  # positions a sliding window can no longer see were emptied too: count them
-            self.lengths = (self.positions >= 0).sum(1).tolist()
-            drop = int((self.positions < 0).all(0).long().cumprod(0).sum())
-        if drop:
-            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
-            self.positions = self.positions[:, drop:]
-
 
 class ThoughtCache(KVCache):
     """Cache-level state shared by the layers: segmentation (on_step), the ballot, the zoom sets, the rebuilds."""
 
     def __init__(self, method, config: ThoughtConfig, ropes: list, windows: list):
         self.config = config
+        self._fresh()
+        super().__init__([ThoughtLayer(self, i, ropes[i], windows[i]) for i in range(len(windows))], method)
+
+    def _fresh(self):
+        """The cache-level state before the first forward."""
+        config = self.config
         self.rows: list[Row] = []
         self.seen, self.q_len = 0, 0
         self.finishing: list[tuple[int, int]] = []  # (row, thought) finalized during the current forward
@@ -205,7 +174,10 @@ class ThoughtCache(KVCache):
         self.queries: list = []  # (layer, its last query (B, Hq, d)) of the current forward, for cast_votes
         self.index_rows: list[list[torch.Tensor]] = []  # per row, per thought: every layer's index key (L, Hkv, d)
         self.index_keys = None  # every layer's stacked index keys (L, B, Hkv, T, d); layers hold views of it
-        super().__init__([ThoughtLayer(self, i, ropes[i], windows[i]) for i in range(len(windows))], method)
+
+    def reset(self):
+        self._fresh()
+        super().reset()
 
     def on_step(self, token_ids, texts):
         """The token about to be fed (position self.seen) may end a thought and/or be a selection point."""
@@ -220,12 +192,14 @@ class ThoughtCache(KVCache):
             self.next_voting[b] = vote
             self.next_any |= vote
 
-    def begin_forward(self, mask, q_len: int, batch: int, device):
-        """Layer 0, before attending: settle the previous forward's votes, plan a rebuild, start this forward."""
+    def before_forward(self, attention_mask, new_tokens: int):
+        """Before the forward: settle the previous forward's votes, rebuild the rows whose zoom set or tail moved (every
+        layer receives this forward's tokens after its rebuild, so the tail stays at the end), start this forward."""
         t0 = time.perf_counter()
-        past = self.seen
+        past, q_len, device = self.seen, new_tokens, attention_mask.device
         if not self.rows:
-            pad = leading_padding(mask, batch, device).tolist()
+            batch = attention_mask.shape[0]
+            pad = (attention_mask.cumsum(-1) == 0).sum(-1).tolist()  # each row's left padding
             self.rows = [Row(p, q_len) for p in pad]
             self.first_real = torch.tensor(pad, device=device)[:, None]  # (B, 1) each row's first real position
             self.voting = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -253,114 +227,16 @@ class ThoughtCache(KVCache):
             self.rebuilds += 1
             for b in moved:
                 self.tail_start[b] = self.rows[b].tail_from = need[b]
-            self._rebuild(moved)
+            rebuild_rows(self, moved)
+            for b in moved:
+                self.zoomed[b] = set(self.rows[b].zoom)
         self.finishing, self.next_finishing = self.next_finishing, []
         self.voting, self.next_voting = self.next_voting, torch.zeros_like(self.next_voting)
         self.any_voting, self.next_any = self.next_any, False
         self.steps += q_len == 1
         self.overhead_s += time.perf_counter() - t0
 
-    def _rebuild(self, moved: list[int]):
-        """Rebuild the active context of the rows whose zoom set or tail moved, in every layer at once (layer 0
-        holds this forward's tokens already, the others receive them after). Layers of one kind of attention are
-        planned together (`_plan_row`); only the gathers and writes are per layer. Positions a sliding-window
-        layer's queries can no longer see are left out."""
-        groups: dict = {}
-        for layer in self.layers:
-            if layer.is_initialized:  # (all are, after the first forward)
-                groups.setdefault((layer.sliding, layer.device), []).append(layer)  # a split model: per device
-        for (sliding, _), layers in groups.items():
-            cut = visible_from(self.seen - self.q_len, sliding)
-            if cut:
-                for layer in layers:
-                    layer.positions = layer.positions.masked_fill(layer.positions < cut, -1)
-            plans = {b: self._plan_row(layers, b, cut) for b in moved}
-            for i, layer in enumerate(layers):
-                layer._write_rows({b: plan[i] for b, plan in plans.items()})
-        for b in moved:
-            self.zoomed[b] = set(self.rows[b].zoom)
-
-    def _plan_row(self, layers: list, b: int, cut: int) -> list[tuple]:
-        """Row b's active context in each of `layers`: the kept prompt, the tail, the layer's summaries and the
-        zoomed thoughts, none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and V (Hkv, m, d) or
-        None, how many of the sources move), sources indexing the layer's current row followed by the loaded tokens.
-        Order: on a full-attention layer the zoomed thoughts' other tokens (neither summary nor tail) come first, then
-        everything else by position, so a change of zoom set rewrites only the row's first slots (attention does not
-        care about order; the tail stays last and sorted). A sliding-window layer keeps the whole row by position: it
-        drops what leaves its window from the front. A thought zoomed at the row's last gather is whole in the buffer
-        still; only newly zoomed ones are loaded, and of those only what a layer does not hold (its own summary tokens
-        it does). All of it is planned as masks over positions (L, seen + 1; the last column takes what pads a
-        shorter layer), one read back for the counts."""
-        row, seen, pad = self.rows[b], self.seen, torch.nn.utils.rnn.pad_sequence
-        device, count = layers[0].device, len(layers)
-        base = torch.zeros(seen + 1, dtype=torch.bool, device=device)
-        for s, e in row.keep + [(self.tail_start[b], seen)] + [row.thoughts[t] for t in row.zoom]:
-            base[s:e] = True
-        summaries = torch.zeros(count, seen + 1, dtype=torch.bool, device=device).scatter_(
-            1, pad([layer.summary_all[b] for layer in layers], batch_first=True, padding_value=seen), True)
-        wanted = base | summaries
-        wanted[:, seen] = False
-        wanted[:, :cut] = False
-        order = None  # by layer, then by position; on full-attention layers zoomed tokens first
-        if layers[0].sliding is None and row.zoom:
-            aside = torch.zeros(seen + 1, dtype=torch.bool, device=device)
-            for t in row.zoom:
-                aside[row.thoughts[t][0] : min(row.thoughts[t][1], self.tail_start[b])] = True
-            order = aside & ~summaries
-        held_pos = pad([layer.positions[b] for layer in layers], batch_first=True, padding_value=-1)  # (L, W)
-        at = torch.where(held_pos >= 0, held_pos, seen)
-        held = torch.zeros_like(wanted).scatter_(1, at, True)
-        slot = torch.zeros_like(wanted, dtype=torch.long).scatter_(
-            1, at, torch.arange(at.shape[1], device=device).expand_as(at))  # position -> its slot in the row
-        keep = wanted & held
-        new = [t for t in row.zoom if t not in self.zoomed[b]]
-        if new:
-            fresh = torch.zeros(seen + 1, dtype=torch.bool, device=device)
-            loaded_at = torch.zeros(seen + 1, dtype=torch.long, device=device)  # position -> index among the loaded
-            offset = 0
-            for t in new:
-                s, e = row.thoughts[t]
-                fresh[s:e] = True
-                loaded_at[s:e] = torch.arange(offset, offset + e - s, device=device)
-                offset += e - s
-            load = wanted & ~held & fresh
-            keep = keep | load
-        widths = torch.tensor([layer.positions.shape[1] for layer in layers], device=device)
-        kept = keep.sum(1)  # per layer
-        if order is None:
-            which, pos = keep.nonzero(as_tuple=True)
-        else:
-            which, pos = torch.cat([keep & order, keep & ~order], 1).nonzero(as_tuple=True)
-            pos = pos.remainder(seen + 1)
-        src = slot[which, pos]
-        if new:
-            src = torch.where(held[which, pos], src, widths[which] + loaded_at[pos])
-        # Rows are right-aligned: a token whose distance from the row's end is unchanged stays in its slot. Per
-        # layer, everything after the last token that does move (the tail and what follows the last change) stays.
-        flat = torch.arange(len(which), device=device)
-        ends = kept.cumsum(0)
-        moves = widths[which] - src != ends[which] - flat
-        last = torch.full_like(kept, -1).scatter_reduce(0, which, torch.where(moves, flat, -1), "amax")
-        moving = (last + 1 - (ends - kept)).clamp(min=0)
-        numbers = torch.stack([kept, moving] + ([load.sum(1)] if new else [])).tolist()
-        counts, moving = numbers[0], numbers[1]
-        loaded = [None] * count
-        if new and any(numbers[2]):
-            stores = [layer.detail_store for layer in layers]
-            parts = [load_layers(stores, [layer.detail[b][t] for layer in layers], device, layers[0].dtype)
-                     for t in new]  # per thought, per layer (K, V)
-            # Where the loaded tokens go: their index in the layer's list and among the layer's loaded tokens. Their
-            # sources point past the row; the row's gather reads slot 0 for them instead, then they are put in place.
-            outside = src >= widths[which]
-            from_detail = outside.nonzero().squeeze(1)
-            into = (flat - (ends - kept)[which])[from_detail].split(numbers[2])
-            origin = (src[from_detail] - widths[which[from_detail]]).split(numbers[2])
-            src = src.masked_fill(outside, 0)
-            loaded = [(torch.cat([part[i][0] for part in parts], 1), torch.cat([part[i][1] for part in parts], 1),
-                       into[i], origin[i]) if numbers[2][i] else None for i in range(count)]
-        return list(zip(pos.split(counts), src.split(counts), loaded, moving))
-
-    def end_forward(self):
+    def after_forward(self):
         """After the last layer has attended: the thoughts that ended in this forward are finalized in every layer,
         the votes cast, and sliding-window layers drop what their next query cannot see."""
         t0 = time.perf_counter()
@@ -389,7 +265,7 @@ class ThoughtCache(KVCache):
             return
         if len(groups) > 1:  # every layer's index key in layer order
             at = torch.tensor([layer.idx for layers in groups.values() for layer in layers], device=index[0].device)
-            stacked = torch.cat([i.to(index[0].device) for i in index])  # the index lives with layer 0
+            stacked = torch.cat([i.to(index[0].device) for i in index])  # a split model: the index lives with layer 0
             index = [torch.empty_like(stacked).index_copy_(0, at, stacked)]
         self.index_rows[b].append(index[0])
         self.index_keys = None

@@ -1,0 +1,75 @@
+"""kvzip's fused CPU kernels: C++ built on first use by torch's extension loader, then loaded from its cache.
+
+The coded paths of fadkv and lexico spend their time in many small PyTorch ops per layer and step (rebuilding coded
+keys chunk by chunk, scattering weights onto atoms, the coder's pursuit over tiny pools). The kernels here do each of
+those in one pass per (row, KV head) or per vector, registered as `torch.ops.kvzip.*`:
+
+- `coded_decode_attention` (coded_attention.cpp): one new token's attention over coded keys and values plus the
+  dense tier, pre-RoPE keys rebuilt and turned in registers, values in atom space.
+- `screen_pursue` (screen_coder.cpp): the screening coder's pursuit on each vector's candidate pool, with an explicit
+  residual, one vector per pass (the correlations with every atom stay one batched product in PyTorch).
+
+The plain PyTorch code stays the reference every kernel is tested against (tests/test_kernels.py), and it is what
+runs where a kernel cannot be built (no C++ compiler, a torch without its headers) or does not apply (CUDA, a
+coefficient format the kernel does not read): `available()` says which, and `status()` why, in one line.
+
+Built with -O3 -march=native for the machine it runs on, in `$KVZIP_CACHE/kernels` (default ~/.cache/kvzip/kernels);
+torch's loader rebuilds when the sources or flags change and locks the folder, so parallel ranks build it once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCES = ("coded_attention.cpp", "screen_coder.cpp")
+OPS = ("coded_decode_attention", "screen_pursue")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno")
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}  # "ok": bool once tried, "why": the reason it is not available
+
+
+def build_dir() -> Path:
+    root = Path(os.environ.get("KVZIP_CACHE", Path.home() / ".cache" / "kvzip"))
+    return root / "kernels" / f"torch-{torch.__version__.replace('+', '-')}"
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    here = Path(__file__).resolve().parent
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name="kvzip_kernels", sources=[str(here / s) for s in SOURCES], extra_cflags=list(FLAGS),
+                       build_directory=str(folder), is_python_module=False, verbose=False)
+
+
+def available() -> bool:
+    """Whether the CPU kernels are built and loaded (building them on the first call). Never raises: a build that
+    fails leaves the PyTorch reference in charge, with one warning saying why."""
+    if "ok" in _STATE:
+        return bool(_STATE["ok"])
+    with _LOCK:
+        if "ok" not in _STATE:
+            if os.environ.get("KVZIP_KERNELS", "1") == "0":
+                _STATE.update(ok=False, why="turned off by KVZIP_KERNELS=0")
+            else:
+                try:
+                    _build()
+                    _STATE.update(ok=all(hasattr(torch.ops.kvzip, op) for op in OPS), why="")
+                except Exception as exc:  # a missing compiler or header: the reference path still works
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+                    _STATE.update(ok=False, why=f"could not be built ({first})")
+                    warnings.warn(f"kvzip: fused CPU kernels {_STATE['why']}; using the PyTorch path", stacklevel=2)
+    return bool(_STATE["ok"])
+
+
+def status() -> str:
+    """One line: whether the fused CPU kernels run, and why not."""
+    if "ok" not in _STATE:
+        return "fused CPU kernels: not loaded yet"
+    return "fused CPU kernels: built and loaded" if _STATE["ok"] else f"fused CPU kernels: off, {_STATE['why']}"

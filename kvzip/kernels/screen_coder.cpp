@@ -1,0 +1,210 @@
+// FAD-KV's screening coder, the pursuit part, fused: one pass per vector over its candidate pool.
+//
+// kvzip.sparse.screen codes a vector x with s atoms in one or two shots. Each shot screens a candidate pool out of
+// the correlations of the current residual with every atom (given here, `corr`: one batched matrix product in
+// PyTorch, the only O(N d) work), then runs orthogonal matching pursuit on the pool only. The PyTorch reference runs
+// the pursuit in the correlation domain over a batch of vectors, a few dozen tensor ops per step; here each vector
+// runs it alone with an explicit residual: a step picks the pool atom most correlated with the residual, adds it to
+// the Cholesky factor of the chosen atoms' Gram matrix, solves the least squares for all chosen atoms and forms the
+// new residual, O(P d + k d + k^2) per step for a pool of P.
+//
+// `screen_pursue(x, corr, table, index, per, chosen, pool, steps, top) -> (idx, coef, residual)`:
+//   x (M, d) fp32 vectors, group-major: vector v is coded with group v / per's atoms, atom a being the row
+//   index[v / per, a] of `table` (R, d) (the shared atoms with each row's own atoms patched in, as
+//   kvzip.sparse.atoms.Grouped lays them out); corr (M, Ntot) the residual's correlations with every atom; chosen
+//   (M, k0) atoms a first shot already picked (k0 may be 0), kept out of the pool; pool: candidates to screen;
+//   steps: atoms in the code when done. The pool is `champions` (the largest |corr| of each of `pool` contiguous
+//   groups of atoms, compared as screen.champions packs them) unless `top` (the exact `pool` largest). Returns the
+//   atom numbers (M, steps) int64, their least-squares coefficients (M, steps) fp32 (0 for an atom linearly
+//   dependent on the ones before it) and the residual (M, d).
+//
+// Registered as torch.ops.kvzip.screen_pursue; tests/test_kernels.py holds it to kvzip.sparse.screen.screen.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kMaxSparsity = 64;
+constexpr float kDependent = 1e-6f;  // as kvzip.sparse.omp: a squared distance to the span below this adds nothing
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < d; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// |c| as screen.pack_abs orders it: the float's bits with the low `low` bits replaced by the column, so that an
+// integer max picks the largest |c| and, on a near-tie, the higher column.
+inline int32_t packed(float c, int32_t column, int32_t low) {
+  int32_t bits;
+  std::memcpy(&bits, &c, sizeof(bits));
+  return (bits & 0x7FFFFFFF & ~low) | column;
+}
+
+inline int32_t low_bits(int64_t columns) {  // (1 << bit_length(columns - 1)) - 1, at least 1
+  int32_t n = 0;
+  for (int64_t v = columns - 1; v > 0; v >>= 1) ++n;
+  return (1 << std::max(n, 1)) - 1;
+}
+
+struct Pursuit {
+  int64_t d, ntot, per, k0, pool, steps;
+  bool top;
+  const float *x, *corr, *table;
+  const int32_t* index;
+  const int64_t* chosen;
+  int64_t *idx_out;
+  float *coef_out, *res_out;
+};
+
+void pursue_one(const Pursuit& p, int64_t v, std::vector<int64_t>& pool, std::vector<float>& pc,
+                std::vector<int32_t>& order, std::vector<char>& used) {
+  const int64_t d = p.d, s = p.steps;
+  const float* x = p.x + v * d;
+  const float* c = p.corr + v * p.ntot;
+  const int32_t* index = p.index + (v / p.per) * p.ntot;
+  auto atom = [&](int64_t a) { return p.table + static_cast<int64_t>(index[a]) * d; };
+  int64_t* idx = p.idx_out + v * s;
+  float* coef = p.coef_out + v * s;
+  float* r = p.res_out + v * d;
+
+  // the candidate pool, screened from the correlations
+  const int64_t n = std::min(p.pool, p.ntot);
+  if (!p.top && p.ntot % n == 0 && p.ntot / n >= 2) {  // screen.champions
+    const int32_t low = low_bits(p.ntot);
+    const int64_t width = p.ntot / n;
+    for (int64_t g = 0; g < n; ++g) {
+      int32_t best = packed(c[g * width], static_cast<int32_t>(g * width), low);
+      for (int64_t a = g * width + 1; a < (g + 1) * width; ++a)
+        best = std::max(best, packed(c[a], static_cast<int32_t>(a), low));
+      pool[g] = best & low;
+    }
+  } else {  // the exact n largest |c|
+    std::iota(order.begin(), order.begin() + p.ntot, 0);
+    std::partial_sort(order.begin(), order.begin() + n, order.begin() + p.ntot,
+                      [&](int32_t a, int32_t b) { return std::fabs(c[a]) > std::fabs(c[b]); });
+    for (int64_t i = 0; i < n; ++i) pool[i] = order[i];
+  }
+
+  // the chosen atoms' Cholesky factor L (L L^T = their Gram matrix), row by row, and b = their dots with x
+  float L[kMaxSparsity][kMaxSparsity], b[kMaxSparsity], y[kMaxSparsity], a[kMaxSparsity];
+  bool live[kMaxSparsity];
+  int64_t k = 0;
+  auto add = [&](int64_t number) {  // one more atom: its row of L, or dead when it adds nothing to the span
+    const float* u = atom(number);
+    float d2 = dot(u, u, d);
+    for (int64_t i = 0; i < k; ++i) {
+      float g = live[i] ? dot(atom(idx[i]), u, d) : 0.f;
+      for (int64_t j = 0; j < i; ++j) g -= L[i][j] * L[k][j];
+      L[k][i] = live[i] ? g / L[i][i] : 0.f;
+      d2 -= L[k][i] * L[k][i];
+    }
+    live[k] = d2 > kDependent;
+    L[k][k] = live[k] ? std::sqrt(d2) : 1.f;
+    if (!live[k])
+      for (int64_t i = 0; i < k; ++i) L[k][i] = 0.f;
+    b[k] = live[k] ? dot(u, x, d) : 0.f;
+    idx[k] = number;
+    ++k;
+  };
+  auto solve = [&]() {  // least squares over the chosen atoms, then the residual r = x - D a
+    for (int64_t i = 0; i < k; ++i) {
+      float t = b[i];
+      for (int64_t j = 0; j < i; ++j) t -= L[i][j] * y[j];
+      y[i] = live[i] ? t / L[i][i] : 0.f;
+    }
+    for (int64_t i = k - 1; i >= 0; --i) {
+      float t = y[i];
+      for (int64_t j = i + 1; j < k; ++j) t -= L[j][i] * a[j];
+      a[i] = live[i] ? t / L[i][i] : 0.f;
+    }
+    std::memcpy(r, x, d * sizeof(float));
+    for (int64_t i = 0; i < k; ++i) {
+      if (!live[i] || a[i] == 0.f) continue;
+      const float* u = atom(idx[i]);
+      const float ai = a[i];
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) r[e] -= ai * u[e];
+    }
+  };
+  for (int64_t i = 0; i < p.k0; ++i) add(p.chosen[v * p.k0 + i]);
+
+  // the pursuit on the pool: correlations with the residual, the largest (packed as screen's pursuit does) wins
+  for (int64_t i = 0; i < n; ++i) pc[i] = c[pool[i]];
+  const int32_t plow = low_bits(n);
+  std::fill(used.begin(), used.end(), 0);
+  while (k < s) {
+    int32_t best = -1;
+    int64_t at = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (used[i]) continue;
+      const int32_t q = packed(pc[i], static_cast<int32_t>(i), plow);
+      if (q > best) {
+        best = q;
+        at = i;
+      }
+    }
+    used[at] = true;
+    add(pool[at]);
+    solve();
+    if (k < s)
+      for (int64_t i = 0; i < n; ++i)
+        if (!used[i]) pc[i] = dot(atom(pool[i]), r, d);
+  }
+  if (p.k0 == s) solve();
+  for (int64_t i = 0; i < s; ++i) coef[i] = live[i] ? a[i] : 0.f;
+}
+
+std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& corr, const Tensor& table,
+                                                 const Tensor& index, int64_t per, const Tensor& chosen,
+                                                 int64_t pool, int64_t steps, bool top) {
+  TORCH_CHECK(x.device().is_cpu(), "screen_pursue runs on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (M, d) float32");
+  const int64_t M = x.size(0), d = x.size(1);
+  TORCH_CHECK(corr.dim() == 2 && corr.size(0) == M && corr.scalar_type() == at::kFloat && corr.is_contiguous(),
+              "corr must be (M, Ntot) float32");
+  const int64_t ntot = corr.size(1);
+  TORCH_CHECK(table.dim() == 2 && table.size(1) == d && table.scalar_type() == at::kFloat && table.is_contiguous(),
+              "table must be (R, d) float32");
+  TORCH_CHECK(index.dim() == 2 && index.size(1) == ntot && index.scalar_type() == at::kInt && index.is_contiguous(),
+              "index must be (groups, Ntot) int32");
+  TORCH_CHECK(per >= 1 && M == index.size(0) * per, "x holds `per` vectors of each group, group-major");
+  TORCH_CHECK(chosen.dim() == 2 && chosen.size(0) == M && chosen.scalar_type() == at::kLong && chosen.is_contiguous(),
+              "chosen must be (M, k0) int64");
+  const int64_t k0 = chosen.size(1);
+  TORCH_CHECK(steps >= 1 && steps <= kMaxSparsity && k0 <= steps && pool >= 1 && k0 + std::min(pool, ntot) >= steps,
+              "screen_pursue: 1 <= steps <= ", kMaxSparsity, ", and the pool must hold the steps after the chosen");
+  auto idx = at::empty({M, steps}, x.options().dtype(at::kLong));
+  auto coef = at::empty({M, steps}, x.options());
+  auto res = at::empty({M, d}, x.options());
+  Pursuit p{d, ntot, per, k0, pool, steps, top, x.data_ptr<float>(), corr.data_ptr<float>(), table.data_ptr<float>(),
+            index.data_ptr<int32_t>(), chosen.data_ptr<int64_t>(), idx.data_ptr<int64_t>(), coef.data_ptr<float>(),
+            res.data_ptr<float>()};
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> pool_atoms(std::min(pool, ntot));
+    std::vector<float> pc(std::min(pool, ntot));
+    std::vector<int32_t> order(ntot);
+    std::vector<char> used(std::min(pool, ntot));
+    for (int64_t v = begin; v < end; ++v) pursue_one(p, v, pool_atoms, pc, order, used);
+  });
+  return {idx, coef, res};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvzip, m) {
+  m.def("screen_pursue(Tensor x, Tensor corr, Tensor table, Tensor index, int per, Tensor chosen, int pool, "
+        "int steps, bool top) -> (Tensor, Tensor, Tensor)");
+  m.impl("screen_pursue", c10::DispatchKey::CPU, TORCH_FN(screen_pursue));
+}

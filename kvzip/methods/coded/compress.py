@@ -1,0 +1,146 @@
+"""Coding a fadkv or lexico cache's due tokens: which dense tokens each row codes now, the vectors as the
+dictionaries hold them, one coder pass for every layer, kind and row, and the codes stored in each layer.
+
+The cache runs `compress` after every forward (`FadkvCache.after_forward`), once every layer has attended: a layer's
+coding only changes what its next forward reads, so coding all layers together at the end of a forward is exact, and
+no layer does cache-wide work inside the model's forward. Rows of a batch code on their own schedules (as if each ran
+alone): a row's dense tier gathers `code_chunk` tokens beyond its sinks and buffer before they are coded.
+"""
+
+from __future__ import annotations
+
+import time
+import typing
+
+import torch
+
+from kvzip.attention import gather_tokens
+from kvzip.methods.coded.coding import CodingStats, code_kinds, left_holed
+from kvzip.rope import phasors, to_pairs, turn_pairs
+
+if typing.TYPE_CHECKING:
+    from kvzip.methods.fadkv import FadkvLayer
+
+
+def due_columns(layer: "FadkvLayer", prefill: bool) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Which dense columns each row codes now and which it keeps, on the row's own schedule (as if it ran alone):
+    a prefill codes all beyond the sinks and buffer, a decode step a whole number of chunks once a chunk has
+    gathered. Left padding is neither coded nor kept. None when no row codes."""
+    pad = layer.pad if layer.pad is not None else torch.zeros(layer.batch, dtype=torch.long, device=layer.keys.device)
+    real = layer.positions >= pad[:, None]  # (B, S) real tokens; holes (-1) and left padding are not
+    due = []
+    for n in real.sum(1).tolist():
+        sinks = min(layer.cfg.sinks, n)
+        codeable = n - sinks - layer.cfg.buffer
+        if codeable <= 0 or (not prefill and codeable < layer.cfg.code_chunk):
+            codeable = 0
+        elif not prefill:
+            codeable -= codeable % layer.cfg.code_chunk
+        due.append((sinks, codeable))
+    if not any(codeable for _, codeable in due):
+        return None
+    columns = []
+    for b, (sinks, codeable) in enumerate(due):
+        cols = real[b].nonzero().squeeze(-1)
+        columns.append((cols[sinks : sinks + codeable], torch.cat([cols[:sinks], cols[sinks + codeable :]])))
+    return columns
+
+
+def coding_vectors(layer: "FadkvLayer", plan, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys and values the plan codes, as the dictionaries hold them: (B', H, width, d) fp32 each for rows
+    (B',), each row's right-aligned after zero filler, and which entries are real (B', width). Keys are centred
+    (key mean removed) and, for pre-RoPE dictionaries, turned back to how k_proj wrote them, in pair order."""
+    h, d = layer.kv_heads, layer.keys.shape[-1]
+    keys = torch.zeros(len(rows), h, width, d, device=layer.keys.device)
+    values, real = torch.zeros_like(keys), torch.zeros(len(rows), width, dtype=torch.bool, device=keys.device)
+    for i, b in enumerate(rows):
+        cols = plan[b][0]
+        if not len(cols):
+            continue
+        k = layer.keys[b][:, cols].float()  # (H, c_b, d)
+        if layer.rope is not None:
+            k = turn_pairs(to_pairs(k, layer.rope.dim), phasors(layer.positions[b, cols], layer.rope, inverse=True))
+        if layer.key_mean is not None:
+            k = k - layer.key_mean[:, None, :]
+        keys[i, :, width - len(cols) :] = k
+        values[i, :, width - len(cols) :] = layer.values[b][:, cols].float()
+        real[i, width - len(cols) :] = True
+    return keys, values, real
+
+
+def store_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Keep the codes (idx, coef (B, H, width, s) for keys, then values) of the plan's tokens and drop those
+    tokens from the dense tier. Rows stay rectangular by holes (position -1, masked) at the front of each tier."""
+    for kind, (idx, coef) in zip(layer.kinds, codes):
+        kind.codes.append(idx, coef, layer.cfg.coef_format)
+    layer.coded_pos = torch.cat([layer.coded_pos, holed(layer.positions, [code for code, _ in plan])], 1)
+    compact_codes(layer)
+    index, valid = left_holed([keep for _, keep in plan])  # (B, S') gather index and which entries are real
+    layer.keys, layer.values = gather_tokens(layer.keys, index), gather_tokens(layer.values, index)
+    layer.positions = layer.positions.gather(1, index).masked_fill(~valid, -1)
+
+
+def compact_codes(layer: "FadkvLayer") -> None:
+    """Each row's real coded tokens right-aligned, holes in front, the tier as wide as its fullest row. Rows of a
+    batch code on their own schedules, so each compress leaves holes in the rows that coded less; without this
+    they would pile up, a chunk's width per row out of phase (8 rows: the coded tier 1.5x a full cache)."""
+    real = layer.coded_pos >= 0  # (B, T)
+    width = int(real.sum(1).max())
+    if width == real.shape[1]:
+        return
+    index, valid = left_holed([row.nonzero().squeeze(-1) for row in real])  # (B, width)
+    for kind in layer.kinds:
+        kind.codes.gather(index)
+    layer.coded_pos = layer.coded_pos.gather(1, index).masked_fill(~valid, -1)
+
+
+def holed(pos: torch.Tensor, cols: list[torch.Tensor]) -> torch.Tensor:
+    """Positions (B, width) of each row's chosen columns, -1 for the holes in front of a shorter row."""
+    index, valid = left_holed(cols)
+    return pos.gather(1, index).masked_fill(~valid, -1)
+
+
+# the most vectors (per kind, over layers, rows and heads) built for one coder call: a decode step of every layer
+# (30 x 8 x 96 for SmolLM2 at batch 8) fits; a long prompt's prefill is coded a few layers at a time
+MAX_VECTORS = 1 << 16
+
+
+def compress(layers: list["FadkvLayer"], prefill: bool, stats: CodingStats) -> None:
+    """Code the due tokens of all `layers` (`due_columns`) in as few coder calls as MAX_VECTORS allows: keys and
+    values of every layer and row together when their sparsity is the same. Each layer then stores its codes."""
+    plans = [(layer, plan) for layer in layers if (plan := due_columns(layer, prefill)) is not None]
+    if not plans:
+        return
+    t0 = time.perf_counter()
+    batch = layers[0].batch
+    rows = [b for b in range(batch) if any(len(plan[b][0]) for _, plan in plans)]
+    width = max(len(plan[b][0]) for _, plan in plans for b in rows)
+    row_index = torch.tensor(rows, device=layers[0].keys.device)
+    per_layer = len(rows) * layers[0].kv_heads * width
+    step = max(1, MAX_VECTORS // per_layer)
+    cfg = layers[0].cfg
+    for start in range(0, len(plans), step):
+        part = plans[start : start + step]
+        built = [coding_vectors(layer, plan, rows, width) for layer, plan in part]  # (keys, values, real) per layer
+        kinds = [kind for layer, _ in part for kind in layer.kinds]  # keys, values of each layer
+        x = [v for keys, values, _ in built for v in (keys, values)]  # (B', H, width, d) each
+        real = [r[:, None, :].expand(-1, x[0].shape[1], -1) for _, _, r in built for _ in (0, 1)]
+        codes = [None] * len(kinds)
+        calls = [range(len(kinds))] if len({kind.sparsity for kind in kinds}) == 1 else [range(0, len(kinds), 2),
+                                                                                          range(1, len(kinds), 2)]
+        for call in calls:
+            xs = torch.stack([x[i] for i in call]).flatten(2, 3)  # (L, B', H·width, d)
+            rs = torch.stack([real[i] for i in call]).flatten(2, 3)
+            idx, coef = code_kinds([kinds[i] for i in call], row_index, xs, rs, cfg, stats, part[0][0].seen)
+            for j, i in enumerate(call):
+                codes[i] = (_full_rows(idx[j], row_index, batch, width), _full_rows(coef[j], row_index, batch, width))
+        for n, (layer, plan) in enumerate(part):
+            store_codes(layer, plan, codes[2 * n : 2 * n + 2])
+    stats.seconds += time.perf_counter() - t0
+
+
+def _full_rows(codes: torch.Tensor, rows: torch.Tensor, batch: int, width: int) -> torch.Tensor:
+    """codes (B', H·width, s) of rows (B',) -> (B, H, width, s), zero (holes) in the rows that coded nothing."""
+    out = codes.new_zeros(batch, codes.shape[1] // width, width, codes.shape[-1])
+    out[rows] = codes.view(len(rows), -1, width, codes.shape[-1])
+    return out

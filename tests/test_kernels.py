@@ -1,0 +1,131 @@
+"""Fast tier: the fused CPU kernels (kvzip/kernels) equal the PyTorch reference they replace.
+
+`coded_decode_attention` against fadkv's reference attention on the codes (kvzip/methods/fadkv.py, kernel=torch),
+over the options that change what it reads: keys before or after RoPE, adapted dictionaries (overlay atoms replaced
+or appended), a value sparsity of its own, fp16 or int8 coefficients, a batch whose rows coded on their own schedules
+(holes), left padding, and dense tiers in fp32, bf16 and fp16. Where the kernel cannot be built the reference runs,
+and this file says so by skipping with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvzip import engine, kernels
+from kvzip.methods import get_method
+from tests.test_fadkv import SMALL, make_layer, step
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.status())
+
+INV_FREQ = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+
+
+def fused_and_reference(layer, query, mask=None):
+    assert layer._fused()
+    got = layer._attention(query, mask, 0.25)
+    fused_cfg = layer.cfg
+    layer.cfg = dataclasses.replace(fused_cfg, kernel="torch")
+    try:
+        want = layer._attention(query, mask, 0.25)
+    finally:
+        layer.cfg = fused_cfg
+    return got, want
+
+
+@pytest.mark.parametrize("keys", ["pre-rope", "post-rope"])
+@pytest.mark.parametrize("adapt, value_sparsity, coef", [("none", "0", "int8"), ("fixed", "0", "int8"),
+                                                          ("append", "6", "int8"), ("fixed", "0", "fp16")])
+@pytest.mark.parametrize("dense", [torch.float32, torch.bfloat16])
+def test_coded_decode_attention_equals_the_reference(tiny_dictionaries, keys, adapt, value_sparsity, coef, dense):
+    inv = INV_FREQ if keys == "pre-rope" else None
+    _, layer = make_layer(tiny_dictionaries, batch=3, adapt=adapt, adapt_threshold="0.2", keys=keys, inv_freq=inv,
+                          value_sparsity=value_sparsity, coef_format=coef)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(70):
+        k, v = torch.randn(3, 2, 1, 16, generator=g), torch.randn(3, 2, 1, 16, generator=g)
+        step(layer, k.to(dense), v.to(dense), torch.randn(3, 4, 1, 16, generator=g))
+    assert layer.coded_pos.shape[1] > 40 and layer.keys.dtype == layer.dense_dtype(dense)
+    if adapt != "none":
+        assert layer.coded_keys.overlay.ids.shape[1] > 0  # overlay atoms are read through the lookup table
+    got, want = fused_and_reference(layer, torch.randn(3, 4, 1, 16, generator=g))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_holes_and_masked_columns_are_never_read(tiny_dictionaries):
+    """A row whose coded tier and dense tier have holes (-1), and a mask hiding columns: both paths skip them alike;
+    a query row that sees nothing gets zeros from both."""
+    _, layer = make_layer(tiny_dictionaries, batch=2, adapt="fixed", adapt_threshold="0.2")
+    g = torch.Generator().manual_seed(2)
+    for _ in range(50):
+        step(layer, torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g),
+             torch.randn(2, 4, 1, 16, generator=g))
+    layer.coded_pos[0, :5] = -1  # holes, as a row that coded less leaves them
+    width = layer.seen + 1
+    mask = torch.ones(2, 1, 1, width, dtype=torch.bool)
+    mask[1, ..., :width] = False  # row 1 sees nothing at all
+    mask[0, ..., 7:20] = False
+    got, want = fused_and_reference(layer, torch.randn(2, 4, 1, 16, generator=g), mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+@pytest.mark.parametrize("method", ["fadkv", "lexico"])
+def test_generation_with_the_kernel_equals_the_reference(tiny, tokenizer, tiny_dictionaries, method):
+    """Through the engine, a left-padded batch: the same tokens with the kernel as with the PyTorch path."""
+    prompts = [tokenizer("Q?")["input_ids"], tokenizer("a longer question, padded less?")["input_ids"]]
+    settings = engine.Settings(max_new_tokens=60, ignore_eos=True)
+    out = {}
+    for kernel in ("auto", "torch"):
+        m = get_method(method, {**SMALL, "kernel": kernel} if method == "fadkv" else
+                       {"sparsity": "4", "buffer": "8", "code_chunk": "4", "sinks": "2", "kernel": kernel})
+        cache = m.make_cache(tiny, tiny_dictionaries)
+        events = list(engine.generate(tiny, tokenizer, prompts, cache, settings))
+        out[kernel] = [e.token_ids for e in events if isinstance(e, engine.Result)]
+        assert cache.layers[0].coded_pos.shape[1] > 20
+    assert out["auto"] == out["torch"]
+
+
+@pytest.mark.parametrize("shots, pick", [(1, "champions"), (2, "champions"), (2, "top")])
+def test_fused_pursuit_gives_the_reference_codes_on_one_dictionary(shots, pick):
+    from kvzip.sparse.omp import gram_matrix
+    from kvzip.sparse.screen import screen
+
+    g = torch.Generator().manual_seed(0)
+    atoms = torch.nn.functional.normalize(torch.randn(256, 32, generator=g), dim=-1)
+    x = torch.randn(600, 32, generator=g)
+    gram = gram_matrix(atoms)
+    want = screen(x, atoms, 6, n=8, gram=gram, shots=shots, pick=pick)
+    got = screen(x, atoms, 6, n=8, gram=gram, shots=shots, pick=pick, fused=True)
+    same = (want[0] == got[0]).all(1)
+    assert same.float().mean() > 0.99  # a float near-tie between two candidates may go either way
+    torch.testing.assert_close(got[1][same], want[1][same], rtol=1e-4, atol=1e-4)
+
+
+def test_fused_pursuit_reads_each_rows_own_atoms(tiny_dictionaries):
+    """Grouped dictionaries with overlay atoms (replaced and appended), an all-zero vector and a dependent atom: the
+    same codes as the reference coder, group by group."""
+    from kvzip.sparse.atoms import Grouped
+    from kvzip.sparse.dictionary import prepare_layers
+    from kvzip.sparse.screen import screen
+
+    g = torch.Generator().manual_seed(4)
+    layer = prepare_layers(tiny_dictionaries, "cpu")
+    atoms = torch.stack([layer[0].keys, layer[1].keys])  # (L=2, N=32, d=16)
+    grams = torch.stack([atoms[0] @ atoms[0].T, atoms[1] @ atoms[1].T])
+    ids = torch.tensor([[[3, -1, 40], [-1, 7, -1]], [[0, 1, -1], [-1, -1, -1]]])  # (L, B=2, R=3); 40 is appended
+    vectors = torch.nn.functional.normalize(torch.randn(2, 2, 3, 16, generator=g), dim=-1)
+    vectors[1, 0, 1] = atoms[1, 5]  # a copy of a shared atom: dependent when both are picked
+    dic = Grouped(atoms, ids, vectors, 41, grams, torch.tensor([0, 1]))
+    x = torch.randn(4, 50, 16, generator=g)
+    x[2, 7] = 0.0
+    want = screen(x, dic, 4, n=8, shots=2, pick="top")
+    got = screen(x, dic, 4, n=8, shots=2, pick="top", fused=True)
+    same = (want[0] == got[0]).all(-1)
+    assert same.float().mean() > 0.9  # the copied atom ties with its original: either may be picked
+    torch.testing.assert_close(got[1][same], want[1][same], rtol=1e-4, atol=1e-4)
+    rebuilt = [dic.reconstruct(i.view(-1, 4), c.view(-1, 4)) for i, c in (want, got)]  # the same vectors, ties or not
+    torch.testing.assert_close(rebuilt[1], rebuilt[0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[1][2, 7], torch.zeros(4))
