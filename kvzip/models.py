@@ -260,12 +260,14 @@ def _gguf_to_safetensors(gguf: Path) -> Path:
     return target
 
 
-def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False):
-    """Load (model, tokenizer, source) ready for kvzip: eval mode, on device, kvzip attention."""
+def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", dtype: str = "auto",
+               trust_remote_code: bool = False, device_map: str | dict | None = None):
+    """Load (model, tokenizer, source) ready for kvzip: eval mode, on `device` (a name, or a torch.device such as a
+    rank's own GPU), kvzip attention. `device_map` (kvzip.placement) lets accelerate place the modules instead."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(spec)
-    dev = resolve_device(device)
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     folder = str(_gguf_to_safetensors(Path(source.path))) if source.is_gguf else source.path
     hub_id = not source.is_gguf and not Path(folder).is_dir()
@@ -276,7 +278,7 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dt, attn_implementation=ATTN_IMPLEMENTATION, trust_remote_code=trust_remote_code,
-            local_files_only=local_only,
+            local_files_only=local_only, **({} if device_map is None else {"device_map": device_map}),
         )
     except OSError as exc:
         if local_only:
@@ -284,7 +286,13 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
                             "download it on a connected machine and pass its folder") from None
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"cannot load model '{spec}': {first}") from None
-    model.to(dev).eval()
+    except ValueError as exc:  # accelerate refusing a device map (a module it cannot place)
+        if device_map is None:
+            raise
+        raise UserError(f"cannot place model '{spec}' with that device map: {str(exc).splitlines()[0]}") from None
+    if device_map is None:
+        model.to(dev)
+    model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     _image_tokens_end_text(model, tokenizer)

@@ -8,7 +8,8 @@ Every `.py` file is parsed with `ast`. An import names a module of the package w
 `from pkg.x import y` (`pkg.x.y` when y is itself a module, else `pkg.x`) or the relative forms of these.
 
 - The CLI rule counts every import, wherever it sits: a library module that imports `pkg.cli` even inside a function
-  still depends on the command line.
+  still depends on the command line. The package's `__main__` (what `python -m pkg` runs) is an entry point like the
+  console script, not library code: it may import the CLI.
 - The cycle rule counts module-level imports only (class bodies and module-level `if`/`try` included, `if
   TYPE_CHECKING:` blocks excluded): those run while a module is being initialised, where a cycle means a
   half-initialised module. An import inside a function runs when the function is called, after every module has
@@ -126,7 +127,7 @@ def check(root: Path) -> tuple[list[str], str]:
             for target in targets(node, module, path.name == "__init__.py", known):
                 if target == module:
                     continue
-                in_cli = module == cli or module.startswith(cli + ".")
+                in_cli = module in (cli, f"{root.name}.__main__") or module.startswith(cli + ".")
                 if not in_cli and (target == cli or target.startswith(cli + ".")):
                     problems.append(f"{path}:{node.lineno}: {module} imports {target}: only {cli} may import the CLI")
                 if top:

@@ -4,6 +4,11 @@
 #      (e.g. a machine with no package index: wheels installed with --target and PYTHONPATH set);
 #   2. the GPU-marked tests (`pytest -m gpu`: every method on CUDA in bf16, full == transformers greedy on CUDA);
 #   3. `kvzip generate --device cuda` on the default model with fadkv and zoomr (CLI path, JSON kept);
+#   3b. `kvzip generate --device-map auto` (accelerate spreads the layers over every visible GPU) with fadkv and
+#      zoomr on a JSONL batch: the rows must equal those of the model whole on the first GPU (the gpu-marked tests
+#      of step 2 check the same on the tiny model, its two layers on the first and the last GPU);
+#   3c. with two GPUs or more: `torchrun --nproc-per-node <GPUs> -m kvzip generate` (one rank per GPU, NCCL beside
+#      gloo) on the same batch: the rows must equal one process's;
 #   4. `kvzip bench --quick --device cuda` (every method on the real model; JSON, table and plot);
 #   4b. `scripts/measure_coders.py --device cuda` at the shipped (N, s): screening vs OMP time and error on the GPU
 #      (the issues' 5x target; on the 2-core CPU it measured 1.6-4.2x, moving with the machine);
@@ -39,6 +44,32 @@ for method in fadkv zoomr; do
     > "$OUT/generate_${method}_cuda.json" 2> "$OUT/generate_${method}_cuda.err" || { status=1; cat "$OUT/generate_${method}_cuda.err"; }
   head -c 600 "$OUT/generate_${method}_cuda.json"; echo
 done
+
+printf '%s\n' '{"prompt": "What is 17 x 23? Think step by step."}' '{"prompt": "Name three prime numbers above 50."}' \
+  '{"prompt": "Explain why the sky is blue in two sentences."}' > "$OUT/device_map_prompts.jsonl"
+for method in fadkv zoomr; do
+  step "kvzip generate --method $method --device-map auto (on $("$PY" -c 'import torch; print(torch.cuda.device_count())') GPU(s))"
+  "$PY" -m kvzip generate --method "$method" --device cuda --input "$OUT/device_map_prompts.jsonl" --max-new-tokens 64 \
+    --output "$OUT/whole_${method}.jsonl" > /dev/null 2>&1 || status=1
+  "$PY" -m kvzip generate --method "$method" --device-map auto --input "$OUT/device_map_prompts.jsonl" \
+    --max-new-tokens 64 --output "$OUT/spread_${method}.jsonl" 2>&1 | tail -1 || status=1
+  "$PY" -c "import json, sys; rows = lambda p: [json.loads(l) for l in open(p)][:-1]; same = rows(sys.argv[1]) == rows(sys.argv[2]); print('same rows as the model whole on one GPU:', same); sys.exit(not same)" \
+    "$OUT/whole_${method}.jsonl" "$OUT/spread_${method}.jsonl" || status=1
+done
+
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [ "$GPUS" -ge 2 ]; then
+  step "torchrun --nproc-per-node $GPUS -m kvzip generate --method fadkv (one rank per GPU)"
+  "$PY" -m torch.distributed.run --standalone --nproc-per-node "$GPUS" -m kvzip generate --method fadkv --device cuda \
+    --input "$OUT/device_map_prompts.jsonl" --max-new-tokens 64 --batch-size 1 --output "$OUT/ranks_fadkv.jsonl" \
+    > "$OUT/ranks_fadkv.txt" 2>&1 || { status=1; tail -20 "$OUT/ranks_fadkv.txt"; }
+  "$PY" -m kvzip generate --method fadkv --device cuda --input "$OUT/device_map_prompts.jsonl" --max-new-tokens 64 \
+    --batch-size 1 --output "$OUT/one_fadkv.jsonl" > /dev/null 2>&1 || status=1
+  "$PY" -c "import json, sys; rows = lambda p: [json.loads(l) for l in open(p)][:-1]; same = rows(sys.argv[1]) == rows(sys.argv[2]); print('same rows as one process:', same); sys.exit(not same)" \
+    "$OUT/one_fadkv.jsonl" "$OUT/ranks_fadkv.jsonl" || status=1
+else
+  echo "one GPU: the data-parallel step needs two (the CPU tests run two ranks with gloo)"
+fi
 
 step "kvzip bench --quick --device cuda"
 "$PY" -m kvzip.cli bench --quick --device cuda --json "$OUT/bench_quick_cuda.json" --plot "$OUT/bench_quick_cuda.png" \

@@ -67,3 +67,35 @@ def tiny_dictionaries(tiny):
     atoms = lambda: torch.nn.functional.normalize(torch.randn(cfg.num_hidden_layers, 32, head_dim, generator=g), dim=-1)  # noqa: E731
     meta = make_meta(model_fingerprint(cfg), s=4, keys="post-rope", source="random", tokens=0)
     return KVDictionary(keys=atoms(), values=atoms(), meta=meta)
+
+
+def save_tiny_model(folder) -> None:
+    """tiny_llama() as a Hugging Face folder that `--model FOLDER` loads in a fresh process: its weights (safetensors),
+    config, and a byte-level tokenizer with the ids ByteTokenizer uses (0 pad, 1 bos, 2 eos, 3..258 the bytes) and no
+    chat template, so prompts go in as raw text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tiny_llama().save_pretrained(folder)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{char: byte + 3 for byte, char in bytes_to_unicode().items()}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny model as a folder, for tests that run kvzip as a command (in a subprocess, under torchrun)."""
+    folder = tmp_path_factory.mktemp("models") / "tiny"
+    save_tiny_model(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_dict_file(tiny_dictionaries, tmp_path_factory):
+    """tiny_dictionaries as a file, for `--dict`."""
+    path = tmp_path_factory.mktemp("dict") / "tiny.safetensors"
+    tiny_dictionaries.save(path)
+    return path

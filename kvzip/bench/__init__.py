@@ -4,7 +4,9 @@ Library side of `kvzip bench` (the CLI renders tables and progress; nothing here
 - `config`: `BenchConfig` (workload sizes, `quick_preset()`), `Setting` (one method with one set of options) and
   `parse_settings` for `--methods`, `--opt method.key=value` and `--method-set "method:key=value,..."`.
 - `workloads`: ppl, reasoning, recall (calls `kvzip.bench.recall` when present) and speed, one record each.
-- `runner`: `run_bench(model, tokenizer, source, settings, cfg)` -> a JSON-ready dict, `full` first, skips with notes.
+- `cells`: a run's cells (one setting on one workload), the order they run in and each rank's share of them.
+- `runner`: `run_bench(model, tokenizer, source, settings, cfg)` -> a JSON-ready dict, `full` first, skips with notes;
+  optionally only some cells, each reported as it ends; `merge` builds the run's JSON from every cell's piece.
 - `report`: table rows, the best per column, the Pareto front of quality vs KV memory, the PNG plot.
 
     from kvzip.bench import BenchConfig, parse_settings, run_bench

@@ -259,6 +259,14 @@ def capacity_prompts(ctx: Context, rows: int) -> list[list[int]]:
     return [ctx.chat_prompt(problems[i % len(problems)]["question"] + "\nSolve it step by step.") for i in range(rows)]
 
 
+def _capacity_probe(ctx: Context, method, dictionaries) -> tuple[engine.Settings, dict]:
+    """(the capacity settings, the Summary stats of one row, the longest prompt, generated to the capacity length)."""
+    settings = engine.Settings(max_new_tokens=ctx.cfg.capacity_tokens, ignore_eos=True)
+    longest = max(capacity_prompts(ctx, ctx.cfg.capacity_max_rows), key=len)  # a batch pads every row to its longest
+    _, probe, _ = _run_generate(ctx, method, dictionaries, [longest], settings)
+    return settings, probe
+
+
 CAPACITY_TRIES = 3  # batches measured at most, each smaller by what the last one overshot the budget
 
 
@@ -268,9 +276,7 @@ def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
     from kvzip.bench.config import FULL_ROWS_IN_BUDGET
 
     cfg = ctx.cfg
-    settings = engine.Settings(max_new_tokens=cfg.capacity_tokens, ignore_eos=True)
-    longest = max(capacity_prompts(ctx, cfg.capacity_max_rows), key=len)  # a batch pads every row to its longest
-    _, probe, _ = _run_generate(ctx, method, dictionaries, [longest], settings)
+    settings, probe = _capacity_probe(ctx, method, dictionaries)
     per_row, per_row_device = probe["kv_bytes_peak"], probe["kv_bytes_device_peak"]
     if label == "full":
         ctx.ref["capacity_budget"] = cfg.kv_budget or FULL_ROWS_IN_BUDGET * per_row
@@ -321,6 +327,23 @@ def units(cfg, workload: str) -> int:
         return 2 * cfg.capacity_tokens  # the one-row probe and the batch, one tick per decode step
     per = sum(c // 50 + cfg.speed_new_tokens for c in cfg.speed_contexts)
     return 2 * per * cfg.repeats  # the method and its paired full run
+
+
+def needs_reference(cfg, workload: str) -> bool:
+    """Whether the settings other than `full` on `workload` read what `full`'s run left in Context.ref."""
+    return workload in ("output", "prompt", "reasoning") or (workload == "capacity" and cfg.kv_budget is None)
+
+
+def reference(ctx: Context, workload: str, full) -> None:
+    """What `full`'s run of `workload` leaves for the other settings, for a process that does not measure `full`'s
+    cell itself (a rank of a data-parallel bench, a resumed run): the same run, its record dropped; for capacity only
+    the one-row probe that sets the budget."""
+    from kvzip.bench.config import FULL_ROWS_IN_BUDGET
+
+    if workload == "capacity":
+        ctx.ref["capacity_budget"] = ctx.cfg.kv_budget or FULL_ROWS_IN_BUDGET * _capacity_probe(ctx, full, None)[1]["kv_bytes_peak"]
+    else:
+        RUNNERS[workload](ctx, "full", full, None)
 
 
 RUNNERS = {"output": output, "prompt": prompt, "reasoning": reasoning, "recall": recall, "speed": speed,

@@ -2,7 +2,9 @@
 
 Thin: check the flags, load the model, call `kvzip.bench.run_bench` with a progress callback, then print the table
 (best value per column among methods other than full marked with *), the notes, and write `--json` (atomically) and
-`--plot`. Exit code 1 when a method crashed (its error is in the JSON), 2 for a user error.
+`--plot`. Exit code 1 when a method crashed (its error is in the JSON), 2 for a user error. With `--json`, each
+finished cell is kept in JSON.parts as it ends and `--resume` runs only the missing ones; under torchrun the ranks
+share the cells (`kvzip.bench.cells`) and rank 0 merges them into the one JSON (docs/scaling.md).
 
     kvzip bench --quick                                    # every registered method, small workloads, minutes on CPU
     kvzip bench --json bench.json --plot bench.png         # the full run behind the README results table
@@ -10,19 +12,26 @@ Thin: check the flags, load the model, call `kvzip.bench.run_bench` with a progr
         --prompts 50 --json gsm8k.json                     # GSM8K accuracy on a model that can solve it
     kvzip bench --methods full,window --method-set "window:window=256" --method-set "window:window=1024,sinks=8"
     kvzip bench --methods full,hf-int4 --opt hf-int4.residual_length=64 --workloads output,speed --contexts 1024,4096
+    torchrun --nproc-per-node 2 -m kvzip bench --quick --json bench.json    # the cells over two ranks; --resume after
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import types
+import uuid
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import DictPath, Device, Dtype, Model, TrustRemoteCode, check_device, dict_file, flagged, output_path
+from kvzip.cli.options import (DictPath, Device, Dtype, Model, Resume, TrustRemoteCode, check_device, cli_words, dict_file,
+                               flagged, output_path)
+from kvzip.cli.resume import prepare_parts
 from kvzip.errors import UserError
 from kvzip.files import atomic_path, write_atomic
 
@@ -136,10 +145,31 @@ def bench(
     device: Device = "auto",
     dtype: Dtype = "auto",
     trust_remote_code: TrustRemoteCode = False,
+    resume: Resume = False,
 ):
     """Benchmark every cache method against full: KV memory, speed, quality (ppl, agreement, GSM8K, recall)."""
-    from kvzip.bench import parse_settings, run_bench
+    from kvzip import distributed
+
+    world = distributed.World.from_env(os.environ)
+    distributed.start(world, device)
+    try:
+        flags = dict(quick=quick, methods=methods, opt=opt, method_set=method_set, workloads=workloads,
+                     output_tokens=output_tokens, rows=rows, contexts=contexts, prompts=prompts, new_tokens=new_tokens,
+                     kv_budget=kv_budget, capacity_tokens=capacity_tokens, repeats=repeats, json_path=json_path,
+                     plot_path=plot_path, model=model, dict_path=dict_path, device=device, dtype=dtype, resume=resume)
+        job = distributed.agree(world, lambda: _check(world, **flags), cli_words)
+        _run(job, world, model, dtype, trust_remote_code)
+    finally:
+        distributed.finish(world)
+
+
+def _check(world, quick, methods, opt, method_set, workloads, output_tokens, rows, contexts, prompts, new_tokens,
+           kv_budget, capacity_tokens, repeats, json_path, plot_path, model, dict_path, device, dtype, resume):
+    """Every check of the flags and files, before the model loads: the run's settings, config, paths and record."""
+    from kvzip.bench import parse_settings
     from kvzip.methods import METHODS
+    from kvzip.models import resolve_device, resolve_dtype
+    from kvzip.runs import commit, file_digest
 
     settings = parse_settings(methods, opt, method_set, list(METHODS))
     cfg = _config(quick, workloads, contexts, prompts, new_tokens, repeats, output_tokens, rows, kv_budget, capacity_tokens)
@@ -157,24 +187,101 @@ def bench(
     if dict_path is not None and not any(s.build().needs_dictionary for s in settings):
         raise UserError("--dict is for methods that use a dictionary; none of these settings uses one")
     json_path, plot_path = output_path(json_path, "--json"), output_path(plot_path, "--plot")
+    if resume and json_path is None:
+        raise UserError("--resume continues the run that writes --json: give that --json")
+    if world.size > 1 and json_path is None:
+        raise UserError(f"{world.size} ranks write one merged JSON: give --json FILE, a path every rank can reach")
     check_device(device, dtype)
+    dev = flagged("--device", world.device, resolve_device(device))
+    record = {"model": model, "dict": file_digest(dict_path) if dict_path else None, "config": cfg.describe(),
+              "settings": [{"label": s.label, "method": s.name, "options": s.build().describe()["options"]}
+                           for s in settings],
+              "device": dev.type, "dtype": str(resolve_dtype(dtype, dev)).replace("torch.", "")}
+    return types.SimpleNamespace(settings=settings, cfg=cfg, json_path=json_path, plot_path=plot_path,
+                                 dict_path=dict_path, device=dev, resume=resume,
+                                 record=json.loads(json.dumps(record)), commit=commit())
 
+
+def _finished_run(path: Path) -> dict | None:
+    """The job record of a finished bench JSON (an interrupted one is not finished)."""
+    data = json.loads(path.read_text())
+    return None if data.get("interrupted") else data.get("run")
+
+
+def _run(job, world, model: str, dtype: str, trust_remote_code: bool) -> None:
+    """Past every flag check: the pieces folder, the model, this rank's cells, then rank 0's merge and report."""
+    from kvzip import distributed
+    from kvzip.bench import run_bench
+    from kvzip.bench.cells import assign
+    from kvzip.bench.runner import merge
     from kvzip.models import load_model
+    from kvzip.runs import Parts, parts_folder
 
-    lm, tokenizer, source = load_model(model, device, dtype, trust_remote_code)
+    parts = Parts(parts_folder(job.json_path)) if job.json_path is not None else None
+    run_id = distributed.broadcast(world, uuid.uuid4().hex[:12])
+    finished = []
+    if parts is not None:
+        finished = prepare_parts(world, parts, job.record, job.commit, job.resume, job.json_path, _finished_run, run_id)
+    if finished is None:
+        if world.main:
+            display.console.print(f"nothing to measure: {job.json_path} holds every cell of this run", soft_wrap=True)
+        return
+    lm, tokenizer, source = distributed.agree(world, lambda: load_model(model, job.device, dtype, trust_remote_code),
+                                              cli_words)
+    every, chosen = [], []  # the run's cells, this rank's share of those left
+
+    def share(cells):
+        every[:] = cells
+        chosen[:] = assign([c for c in cells if c.piece not in finished], job.cfg, world)
+        return chosen
+
+    def on_cell(cell, outcome):
+        if parts is not None:
+            parts.write(cell.piece, {"cell": cell.index, "label": cell.label, "workload": cell.workload,
+                                     "rank": world.rank, "run": run_id, **outcome})
+
     bar = display.progress()
-    task = bar.add_task("bench", total=None)
-
+    task = bar.add_task("bench" if world.size == 1 else f"rank 0 of {world.size}", total=None)
     last = [""]
 
     def on_progress(done, total, description):
+        if not world.main:
+            return
         bar.update(task, completed=done, total=total, description=description)
         if description != last[0] and not display.console.is_terminal:  # a log gets one line per step instead
             display.console.print(f"{done}/{total} {description}")
             last[0] = description
 
-    with bar:
-        data = run_bench(lm, tokenizer, source, settings, cfg, dict_path, on_progress)
+    with bar if world.main else contextlib.nullcontext():
+        data = run_bench(lm, tokenizer, source, job.settings, job.cfg, job.dict_path, on_progress, share, on_cell)
+    mine = {"rank": world.rank, "device": str(lm.device), "cells": [c.index for c in chosen],
+            "reference_runs": data.pop("reference_runs"), "wall_s": data["wall_s"],
+            "peak_rss_bytes": data["process"]["peak_rss_bytes"]}
+    if parts is None:  # one process, no --json: the run is all in `data`
+        _report(data, job, interrupted_hint="")
+        return
+    if not data["interrupted"]:
+        try:
+            distributed.wait_all(world)  # every rank's cells are in the folder
+        except KeyboardInterrupt:
+            data["interrupted"] = True
+    ranks = [mine] if data["interrupted"] else distributed.all_gather(world, mine)
+    if not world.main:
+        if data["interrupted"]:
+            raise typer.Exit(130)
+        return
+    pieces = {p["cell"]: p for p in (parts.read(name) for name in parts.finished())}
+    run = {"id": run_id, "settings": job.record, "commit": job.commit, "earlier_cells": len(finished)}
+    merged = merge(data, pieces, every, ranks, run)
+    hint = (f"; {len(pieces)} of {len(every)} cells are finished in {parts.folder}: run the same command with --resume "
+            "to finish" if merged["interrupted"] else "")
+    _report(merged, job, hint)
+    if not merged["interrupted"]:
+        parts.remove()  # only now: the merged JSON holds every cell
+
+
+def _report(data: dict, job, interrupted_hint: str) -> None:
+    """Rank 0: the table, the notes, the JSON and plots; exit 130 when interrupted, 1 when a setting failed."""
     data["command"] = "kvzip bench " + " ".join(_argv())
     if not display.out.is_terminal:  # a pipe or log gets the whole table, not one squeezed to 80 columns
         display.out.width = max(display.out.width, LOG_WIDTH)
@@ -184,17 +291,19 @@ def bench(
     for fail in data["failed"]:
         display.console.print(f"[red]failed[/red] {fail['label']} {fail['workload']}: {fail['error']}")
     env = data["environment"]
-    display.console.print(f"{data['wall_s']:.0f} s on {env['device']} ({env['torch_threads']} threads, load average "
+    ranks = f" on each of {len(data['ranks'])} ranks" if len(data.get("ranks", ())) > 1 else ""
+    display.console.print(f"{data['wall_s']:.0f} s on {env['device']}{ranks} ({env['torch_threads']} threads, load average "
                           f"{env['load_average_start'][0]} -> {env['load_average_end'][0]}); peak RSS "
                           f"{display.human_bytes(data['process']['peak_rss_bytes'])}; speed ratios are against full in this run")
-    if json_path is not None:
-        write_atomic(json_path, json.dumps(data, indent=1) + "\n")
-        display.console.print(f"wrote {json_path}")
-    if plot_path is not None:
-        for line in _save_plots(data, plot_path, cfg.workloads):
+    if job.json_path is not None:
+        write_atomic(job.json_path, json.dumps(data, indent=1) + "\n")
+        display.console.print(f"wrote {job.json_path}")
+    if job.plot_path is not None:
+        for line in _save_plots(data, job.plot_path, job.cfg.workloads):
             display.console.print(line)
     if data["interrupted"]:
-        display.console.print(f"[yellow]interrupted[/yellow]: {len(data['results'])} finished records kept")
+        display.console.print(f"[yellow]interrupted[/yellow]: {len(data['results'])} finished records kept{interrupted_hint}",
+                              soft_wrap=True)
         raise typer.Exit(130)
     if data["failed"]:
         raise typer.Exit(1)

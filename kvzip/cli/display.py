@@ -56,6 +56,19 @@ def summary_line(stats: dict) -> str:
     )
 
 
+def run_line(totals: dict, ranks: list[dict]) -> str:
+    """A data-parallel or resumed run in one line: rows, tokens, the decode rate of all ranks together (they decode at
+    once, so their rates add), the slowest rank's time, then each rank's rows and memory."""
+    earlier = f", {totals['earlier_rows']} from an earlier run" if totals["earlier_rows"] else ""
+    each = "; ".join(
+        f"rank {r['rank']}: {r['rows']} rows, KV peak {human_bytes(r['kv_bytes_peak'])}, RSS {human_bytes(r['peak_rss_bytes'])}"
+        + (f", CUDA peak {human_bytes(r['cuda_max_memory_allocated'])}" if "cuda_max_memory_allocated" in r else "")
+        for r in ranks)
+    return (f"{totals['rows']} rows ({totals['generated_rows']} generated on {totals['world_size']} rank(s){earlier}), "
+            f"{totals['new_tokens']} new tokens, decode {totals['decode_tokens_per_s']:.1f} tok/s over all ranks, "
+            f"{totals['wall_s']:.1f} s | {each}")
+
+
 def is_terminal() -> bool:
     return sys.stdout.isatty()
 

@@ -1,56 +1,42 @@
-"""`kvzip generate`: one prompt (streamed) or a JSONL batch, with any cache method."""
+"""`kvzip generate`: one prompt (streamed) or a JSONL batch, with any cache method, in one process or over many.
+
+With `--output`, a batch job is data-parallel and resumable. Under `torchrun --nproc-per-node N -m kvzip generate`,
+each rank takes a fixed share of the batches (`kvzip.batches`: whole batches of consecutive rows, so every row is
+decoded as one process would), publishes each finished batch in OUTPUT.parts (`kvzip.runs`), and rank 0 writes OUTPUT
+in input order once every rank is done. `--resume` generates only the batches that an earlier run, or a rank that
+died, left unfinished. One process is the same code with a world of one (`kvzip.distributed`). Every check a user's
+input can fail runs on every rank and is agreed on before any model loads, so a bad input is one line from rank 0.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import time
+import uuid
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import (DictPath, Device, Dtype, MethodName, Model, Opts, Seed, Temperature, TopK, TopP,
-                               TrustRemoteCode, check_device, check_sampling, dict_file, output_path, parse_opts)
-from kvzip.errors import UserError
+from kvzip.cli.jobs import JobSpec, check_job, finished_run
+from kvzip.cli.options import (DeviceMap, DictPath, Device, Dtype, MethodName, Model, Opts, Resume, Seed, Temperature,
+                               TopK, TopP, TrustRemoteCode, cli_words)
+from kvzip.cli.resume import prepare_parts
 from kvzip.files import write_atomic
 
-
-def read_jsonl_prompts(path: Path) -> list:
-    """Each line: {"prompt": "..."} or {"messages": [...]}; UserError naming the bad line otherwise."""
-    if not path.is_file():
-        raise UserError(f"input file not found: {path}")
-    items = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            if not obj["prompt"].strip():
-                raise UserError(f"{path}:{n}: the prompt is empty")
-            items.append(obj["prompt"])
-        elif isinstance(obj, dict) and isinstance(obj.get("messages"), list):
-            if not obj["messages"]:
-                raise UserError(f"{path}:{n}: the messages list is empty")
-            items.append(obj["messages"])
-        else:
-            raise UserError(f'{path}:{n}: each line needs "prompt" (a string) or "messages" (a list)')
-    if not items:
-        raise UserError(f"{path} holds no prompts")
-    return items
-
-
 OUTPUT_HELP = ("JSONL file, written atomically: one line per prompt (prompt, completion, finish_reason, prompt_tokens, "
-               "new_tokens, tokens), then one {\"summary\": ...} line with the method, the model and each batch's "
-               "figures (timing, KV memory, method stats).")
+               "new_tokens, tokens), then one {\"summary\": ...} line with the method, the model, each batch's figures "
+               "(timing, KV memory, method stats) and each rank's. Finished batches wait in OUTPUT.parts until all are done.")
 
 
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt (omit when using --input).")] = None,
     input: Annotated[Optional[Path], typer.Option("--input", "-i", help='JSONL file: one {"prompt": ...} or {"messages": [...]} per line.')] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help=OUTPUT_HELP)] = None,
+    resume: Resume = False,
     model: Model = "smollm2-135m",
     method: MethodName = "full",
     opt: Opts = None,
@@ -64,14 +50,15 @@ def generate(
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating past end-of-sequence (for benchmarks).")] = False,
     raw: Annotated[bool, typer.Option(help="Skip the chat template: feed the prompt as it is.")] = False,
     system: Annotated[Optional[str], typer.Option(help="System message for the chat template.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Prompts decoded together from --input (left-padded).")] = 8,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together from --input (left-padded); ranks take whole batches.")] = 8,
     json_out: Annotated[bool, typer.Option("--json", help="Print the --output lines on stdout instead of text.")] = False,
     list_methods: Annotated[bool, typer.Option("--list-methods", help="List methods and their options, then exit.")] = False,
     device: Device = "auto",
+    device_map: DeviceMap = None,
     dtype: Dtype = "auto",
     trust_remote_code: TrustRemoteCode = False,
 ):
-    """Generate with a compressed KV cache: one prompt (streamed) or a JSONL batch."""
+    """Generate with a compressed KV cache: one prompt (streamed) or a JSONL batch, on one or many ranks."""
     if list_methods:
         from kvzip.methods import METHODS
 
@@ -79,94 +66,132 @@ def generate(
             opts = ", ".join(f"{k}={f.default}" for k, f in cls.options().items())
             display.out.print(f"[bold]{name}[/bold]: {cls.summary}" + (f"  [dim]({opts})[/dim]" if opts else ""))
         return
-    # 1. Everything the flags alone can tell, before torch is imported.
-    if (prompt is None) == (input is None):
-        raise UserError("give either a prompt or --input FILE.jsonl")
-    if prompt is not None and not prompt.strip():
-        raise UserError("the prompt is empty: give the text to answer")
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {batch_size}")
-    check_sampling(max_new_tokens, temperature, top_p, top_k)
-    output = output_path(output, "--output")
-    dict_path = dict_file(dict_path)
-    items = [prompt] if prompt is not None else read_jsonl_prompts(input)
-    if raw and any(not isinstance(item, str) for item in items):
-        raise UserError("--raw takes plain prompts, not chat messages")
+    from kvzip import distributed
 
-    # 2. The method and its options, then the model.
-    from kvzip.methods import get_method
+    world = distributed.World.from_env(os.environ)
+    distributed.start(world, device)
+    try:
+        spec = JobSpec(prompt=prompt, input=input, output=output, resume=resume, model=model, method=method, opt=opt,
+                       dict_path=dict_path, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       top_k=top_k, seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, raw=raw, system=system,
+                       batch_size=batch_size, json_out=json_out, device=device, device_map=device_map, dtype=dtype,
+                       trust_remote_code=trust_remote_code)
+        job = distributed.agree(world, lambda: check_job(spec, world), cli_words)
+        _run(spec, job, world)
+    finally:
+        distributed.finish(world)
 
-    cache_method = get_method(method, parse_opts(opt))
-    if dict_path is not None and not cache_method.needs_dictionary:
-        raise UserError(f"--dict is for methods that use a dictionary; '{cache_method.name}' with these options uses none")
-    check_device(device, dtype)
 
-    from kvzip import engine
+def _run(spec: JobSpec, job, world) -> None:
+    """Past every flag check: the pieces folder, the model, the batches of this rank, then rank 0's merge."""
+    from kvzip import batches, distributed, engine
     from kvzip.dictfiles import dictionaries_for
     from kvzip.models import load_model
+    from kvzip.runs import Parts, parts_folder
 
-    settings = engine.Settings(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()), ignore_eos)
-    with display.console.status(f"loading {model} (the first load of a GGUF converts it once, ~30 s)"):
-        lm, tokenizer, source = load_model(model, device, dtype, trust_remote_code)
-    dictionaries = dictionaries_for(cache_method, lm, source, dict_path)
+    parts = Parts(parts_folder(job.output)) if job.output is not None else None
+    run_id = distributed.broadcast(world, uuid.uuid4().hex[:12])
+    finished = []
+    if parts is not None:
+        finished = prepare_parts(world, parts, job.settings_record, job.commit, job.spec.resume, job.output,
+                                 finished_run, run_id)
+    if finished is None:  # --resume on a finished output of this same job
+        if world.main:
+            display.console.print(f"nothing to generate: {job.output} holds every row of this job", soft_wrap=True)
+        return
+    agreed = lambda check: distributed.agree(world, check, cli_words)  # noqa: E731
+    status = display.console.status(f"loading {spec.model} (the first load of a GGUF converts it once, ~30 s)")
+    with status if world.main else contextlib.nullcontext():
+        lm, tokenizer, source = agreed(lambda: load_model(spec.model, job.device, spec.dtype, spec.trust_remote_code,
+                                                          job.placement))
+    dictionaries = agreed(lambda: dictionaries_for(job.method, lm, source, job.dict_path))
+    raw = spec.raw
     if not raw and tokenizer.chat_template is None:
-        if any(not isinstance(item, str) for item in items):
-            raise UserError("this model's tokenizer has no chat template, so it cannot take chat messages: "
-                            "give plain prompts")
+        agreed(lambda: job.check_plain_prompts())
         # A base model (Gemma 3 270M is one) ships no template: its prompts are text to continue, so say so and go on.
-        display.console.print(f"[dim]{source.name} has no chat template (a base model): prompts are fed as raw text[/dim]")
+        if world.main:
+            display.console.print(f"[dim]{source.name} has no chat template (a base model): prompts are fed as raw text[/dim]")
         raw = True
-    encoded = [engine.encode(tokenizer, item, raw, system) for item in items]
-    for ids in encoded:
-        engine.check_context(lm, len(ids), max_new_tokens)
+    encoded = agreed(lambda: job.encode(lm, tokenizer, raw))
 
-    # 3. Generate batch by batch; rows carry their own figures, each batch's Summary goes into one summary.
-    records, batches = [], []
-    streaming = len(items) == 1 and not json_out
-    summary = lambda: {"summary": {**cache_method.describe(), "model": source.name, "rows": len(records),  # noqa: E731
-                                   "batches": batches}}
-    try:
-        bar = None if streaming else display.progress()
+    settings = job.settings
+    rows = batches.batch_rows(len(job.items), spec.batch_size)
+    done = {k for k in range(len(rows)) if batches.piece_name(k) in finished}  # by an earlier run
+    pending = [k for k in range(len(rows)) if k not in done]
+    mine = distributed.deal(pending, world)
+    if not mine and world.size > 1:
+        display.console.print(f"rank {world.rank}: idle: {len(pending)} batch(es) of {spec.batch_size} rows left for "
+                              f"{world.size} ranks (a smaller --batch-size makes more)", soft_wrap=True)
+    streaming = len(job.items) == 1 and not spec.json_out and world.size == 1
+    kept: list = []
+    t0 = time.perf_counter()
+    bar = None if streaming or not world.main or not mine else display.progress()
+    try:  # Ctrl-C, here or while waiting for the other ranks, keeps every finished batch
         if bar is not None:
             bar.start()
-            task = bar.add_task("generating", total=len(items))
-        for start in range(0, len(items), batch_size):
-            chunk = encoded[start : start + batch_size]
-            cache = cache_method.make_cache(lm, dictionaries)
-            for event in engine.generate(lm, tokenizer, chunk, cache, settings):
-                if isinstance(event, engine.Token) and streaming:
-                    display.out.print(event.text, end="", markup=False)
-                elif isinstance(event, engine.Result):
-                    records.append({
-                        "prompt": items[start + event.row],
-                        "completion": event.text,
-                        "finish_reason": event.finish_reason,
-                        "prompt_tokens": event.prompt_tokens,
-                        "new_tokens": len(event.token_ids),
-                        "tokens": event.token_ids,
-                    })
-                    if bar is not None:
-                        bar.advance(task)
-                elif isinstance(event, engine.Summary):
-                    batches.append({"first_row": start, **event.stats})
-            if any(r["finish_reason"] == "interrupted" for r in records):
-                break  # Ctrl-C landed inside the engine: keep what finished, start no new batch
+            task = bar.add_task("generating" if world.size == 1 else f"rank 0 of {world.size}",
+                                total=sum(len(rows[k]) for k in mine))
+
+        def on_event(event):
+            if isinstance(event, engine.Token) and streaming:
+                display.out.print(event.text, end="", markup=False)
+            elif isinstance(event, engine.Result) and bar is not None:
+                bar.advance(task)
+
+        for k in mine:
+            batch = batches.generate_batch(lm, tokenizer, job.method, dictionaries, job.items, encoded, k, rows[k],
+                                           settings, on_event)
+            if batch.interrupted:  # Ctrl-C landed inside the engine: the batch is not kept, start no other
+                raise KeyboardInterrupt
+            if parts is not None:
+                parts.write(batches.piece_name(k), batch.piece(world.rank, run_id))
+            kept.append(batch)
         if bar is not None:
             bar.stop()
+        distributed.wait_all(world)  # every rank is done: its batches are in the folder
     except KeyboardInterrupt:
-        if output is not None and records:
-            write_atomic(output, _jsonl(records, summary()))
-            display.console.print(f"interrupted: {len(records)} finished results written to {output}")
+        if bar is not None:
+            bar.stop()
+        _interrupted(world, parts, len(rows), streaming, kept)
+    cuda_peak = None
+    if lm.device.type == "cuda":
+        import torch
+
+        cuda_peak = torch.cuda.max_memory_allocated(lm.device)
+    mine_summary = batches.rank_summary(world.rank, kept, time.perf_counter() - t0, str(lm.device), cuda_peak)
+    ranks = distributed.all_gather(world, mine_summary)
+    if not world.main:
+        return
+    pieces = [parts.read(batches.piece_name(k)) for k in range(len(rows))] if parts is not None else \
+        [b.piece(world.rank, run_id) for b in kept]
+    records, batch_stats = batches.merge(pieces, len(rows))
+    totals = batches.run_summary(ranks, len(records), sum(len(rows[k]) for k in done))
+    summary = {"summary": {**job.method.describe(), "model": source.name, "rows": len(records), "batches": batch_stats,
+                           "totals": totals, "ranks": ranks, "run": {"id": run_id, **job.record()}}}
+    _show(records, batch_stats, streaming, spec.json_out, job.output, summary)
+    if job.output is not None:
+        write_atomic(job.output, _jsonl(records, summary))
+        parts.remove()  # only now: the merged file holds every piece
+        display.console.print(f"wrote {len(records)} results and a summary to {job.output}")
+        if world.size > 1 or totals["earlier_rows"]:
+            display.console.print(display.run_line(totals, ranks), soft_wrap=True)
+
+
+def _interrupted(world, parts, total: int, streaming: bool, kept: list) -> None:
+    """Ctrl-C (or a stop from torchrun): what is kept and how to go on, said once, by rank 0; exit 130. Without
+    --output, the batches that finished are shown first."""
+    if streaming:
+        display.out.print()
+    elif parts is None and kept:
+        _show([r for b in kept for r in b.records], [b.stats for b in kept], False, False, None, {})
+    if world.main:
+        if parts is not None:
+            finished = len(parts.finished())  # every rank's, as far as they got
+            display.console.print(f"kvzip: interrupted: {finished} of {total} batches are finished in {parts.folder} "
+                                  "(the batch in flight is not kept); run the same command with --resume to finish", soft_wrap=True)
         else:
             display.console.print("kvzip: interrupted")
-        raise typer.Exit(130) from None
-    _show(records, batches, streaming, json_out, output, summary())
-    if output is not None:
-        write_atomic(output, _jsonl(records, summary()))
-        display.console.print(f"wrote {len(records)} results and a summary to {output}")
-    if any(r["finish_reason"] == "interrupted" for r in records):
-        display.console.print("kvzip: interrupted")
-        raise typer.Exit(130)
+    raise typer.Exit(130)
 
 
 def _jsonl(records: list[dict], summary: dict) -> str:

@@ -21,6 +21,8 @@ MethodName = Annotated[str, typer.Option("--method", help="Cache method; `kvzip 
 Opts = Annotated[Optional[list[str]], typer.Option("--opt", help="Method option key=value, repeatable.")]
 DictPath = Annotated[Optional[Path], typer.Option("--dict", help="Dictionary file for dictionary methods (default: the one shipped for the model).")]
 TrustRemoteCode = Annotated[bool, typer.Option(help="Allow a hub model's own Python code to run.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Finish what an earlier run with the same settings and commit left undone, reading its finished pieces (OUTPUT.parts); refused when anything differs.")]
+DeviceMap = Annotated[Optional[str], typer.Option("--device-map", help="Place one model over several devices with accelerate: auto, balanced, balanced_low_0, sequential, or a JSON object (inline or a .json file) of module name -> GPU index or \"cpu\".")]
 Seed = Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling (default: none, unseeded).")]
 Temperature = Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling mass.")]

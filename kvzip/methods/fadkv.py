@@ -39,9 +39,10 @@ from kvzip.methods.coded.attend import CodedAttention
 from kvzip.methods.coded.coding import ADAPT, CodingStats
 from kvzip.methods.coded.compress import compress
 from kvzip.methods.coded.state import CodedKind
+from kvzip.placement import layer_devices
 from kvzip.rope import as_rope, attention_windows, layer_ropes, visible_from
 from kvzip.sparse import CACHE_CODERS, KEY_MODES, KEY_OPTIONS, attention as coded
-from kvzip.sparse.dictionary import LayerAtoms, prepare_layers
+from kvzip.sparse.dictionary import LayerAtoms, prepare_for_devices
 from kvzip.sparse.screen import PICKS, SHOTS
 
 KERNELS = ("auto", "torch")
@@ -122,10 +123,10 @@ class FadkvCache(KVCache):
     """The layers of one cache are coded together: after every forward, every layer's due tokens are coded in one
     pass (kvzip/methods/coded/compress.py), then sliding-window layers drop what their next query cannot see."""
 
-    def __init__(self, layers: list[FadkvLayer], method: "Fadkv", shared_bytes: int):
+    def __init__(self, layers: list[FadkvLayer], method: "Fadkv", shared_bytes: int, devices: list | None = None):
         super().__init__(layers, method)
         self.shared_bytes = shared_bytes  # the shared dictionary: reported apart, not counted as cache, like weights
-        self.coding, self.prefill = CodingStats(), False
+        self.coding, self.prefill, self.devices = CodingStats(), False, devices or [None] * len(layers)
 
     def reset(self) -> None:
         super().reset()
@@ -135,7 +136,8 @@ class FadkvCache(KVCache):
         self.prefill = new_tokens > 1  # a prompt codes all beyond sinks and buffer, a decode step whole chunks
 
     def after_forward(self) -> None:
-        compress(self.layers, self.prefill, self.coding)
+        for device in dict.fromkeys(self.devices):  # a model split over devices: each one's layers (and atoms) apart
+            compress([x for x, d in zip(self.layers, self.devices) if d == device], self.prefill, self.coding)
         for layer in self.layers:
             if layer.sliding is not None:
                 layer._slide()
@@ -219,11 +221,12 @@ class Fadkv(Method):
         if max(self.sparsity, self.value_sparsity) > dictionaries.num_atoms:
             raise UserError(f"sparsity {max(self.sparsity, self.value_sparsity)} exceeds the dictionary's "
                             f"{dictionaries.num_atoms} atoms")
-        prepared = prepare_layers(dictionaries, model.device, paired=[r.dim for r in ropes] if ropes else False)
+        devices = layer_devices(model)  # a model split over devices: each layer's atoms, RoPE tables, coding there
+        prepared = prepare_for_devices(dictionaries, devices, paired=[r.dim for r in ropes] if ropes else False)
         shared = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
-        memo: dict = {}
-        return FadkvCache([FadkvLayer(self, prepared[i], rope=ropes[i] if ropes else None, rope_memo=memo,
-                                      sliding=windows[i]) for i in range(layers)], self, shared)
+        memos: dict = {d: {} for d in devices}
+        return FadkvCache([FadkvLayer(self, prepared[i], rope=ropes[i] if ropes else None, rope_memo=memos[devices[i]],
+                                      sliding=windows[i]) for i in range(layers)], self, shared, devices)
 
 
 @dataclass

@@ -21,7 +21,8 @@ from kvzip.methods.thoughts.detail import DETAILS, CodedDetail, DenseDetail, Int
 from kvzip.methods.thoughts.segment import Segmentation, parse_boundary
 from kvzip.methods.thoughts.summary import SUMMARY_PICKS, SUMMARY_SOURCES
 from kvzip.rope import attention_windows, layer_ropes
-from kvzip.sparse.dictionary import prepare_layers
+from kvzip.placement import layer_devices
+from kvzip.sparse.dictionary import prepare_for_devices
 
 SELECT_AT = ("token", "thought")
 
@@ -106,6 +107,7 @@ class ZoomR(ThoughtOptions):
                 raise UserError(f"method '{self.name}' with detail=fadkv codes post-rope keys; this dictionary was "
                                 f"trained on {trained} keys: use a dictionary trained on post-rope keys")
             sparsity = int(dictionaries.meta.get("sparsity", 8))  # the sparsity the dictionary was trained for
-            detail = [CodedDetail(atoms, sparsity, kv_heads) for atoms in prepare_layers(dictionaries, model.device)]
+            detail = [CodedDetail(atoms, sparsity, kv_heads)  # each layer codes with atoms on its own device
+                      for atoms in prepare_for_devices(dictionaries, layer_devices(model))]
         zoom = Zoom(self.votes_per_head, self.zoom_thoughts, self.select_at, self.vote_decay)
         return ThoughtCache(self, self.thought_config(zoom, detail), ropes, windows)

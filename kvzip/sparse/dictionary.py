@@ -44,7 +44,7 @@ class KVDictionary:
     values: torch.Tensor
     meta: dict[str, str] = field(default_factory=dict)
     key_mean: torch.Tensor | None = None
-    # `prepare_layers` results by (device, pairing): a dictionary is prepared once, however many caches use it
+    # `prepare_layers` results by (device, pairing, layers): a dictionary is prepared once, however many caches use it
     prepared: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -143,16 +143,19 @@ class LayerAtoms(NamedTuple):
     slot: int
 
 
-def prepare_layers(dictionaries: KVDictionary, device, paired: bool | list[int] = False) -> list[LayerAtoms]:
+def prepare_layers(dictionaries: KVDictionary, device, paired: bool | list[int] = False,
+                   layers: list[int] | None = None) -> list[LayerAtoms]:
     """Per layer: the atoms and Gram matrices a cache codes with, computed once per dictionary, device and pairing.
 
     `paired`: key atoms and key mean in `to_pairs` order, as layers coding pre-RoPE keys keep them (the Gram matrix
     does not change); True pairs every channel, a list gives each layer's rotary width (partial rotary leaves the
-    other channels in place)."""
-    key = (str(device), paired if isinstance(paired, bool) else tuple(paired))
+    other channels in place). `layers`: only these layers (default: all), in this order, their Gram matrices
+    stacked alone (the layers a device holds, when a model is split over several)."""
+    picked = tuple(range(dictionaries.num_layers)) if layers is None else tuple(layers)
+    key = (str(device), paired if isinstance(paired, bool) else tuple(paired), picked)
     if key not in dictionaries.prepared:
         atoms = []
-        for i in range(dictionaries.num_layers):
+        for i in picked:
             d_k = dictionaries.keys[i].float().to(device)
             d_v = dictionaries.values[i].float().to(device)
             mean = None if dictionaries.key_mean is None else dictionaries.key_mean[i].float().to(device)
@@ -165,6 +168,17 @@ def prepare_layers(dictionaries: KVDictionary, device, paired: bool | list[int] 
         dictionaries.prepared[key] = [LayerAtoms(d_k, d_v, grams[2 * i], grams[2 * i + 1], mean, grams, 2 * i)
                                       for i, (d_k, d_v, mean) in enumerate(atoms)]
     return dictionaries.prepared[key]
+
+
+def prepare_for_devices(dictionaries: KVDictionary, devices: list, paired: bool | list[int] = False) -> list[LayerAtoms]:
+    """prepare_layers for a model whose layer i computes on devices[i]: each device holds its own layers' atoms and
+    Gram matrices (a LayerAtoms' `grams` and `slot` are then those of its device's stack)."""
+    out: list = [None] * len(devices)
+    for device in dict.fromkeys(devices):
+        mine = [i for i, d in enumerate(devices) if d == device]
+        for i, atoms in zip(mine, prepare_layers(dictionaries, device, paired, None if len(mine) == len(devices) else mine)):
+            out[i] = atoms
+    return out
 
 
 def make_meta(fingerprint: dict, s: int, keys: str, source: str, tokens: int,

@@ -123,7 +123,7 @@ class ThoughtLayer(DenseLayer):
         if mask is not None and query.shape[2] == 1 and self.sliding is None:
             # One new token per row on a full-attention layer: the engine's mask hides only each row's left padding,
             # the positions before first_real (an empty slot's -1 among them); no gather of its columns needed.
-            m = (self.positions >= self.cache.first_real)[:, None, None, :]
+            m = (self.positions >= self.cache.first_real.to(self.positions.device))[:, None, None, :]
         elif mask is not None:
             m = gather_mask(mask, self.positions.clamp(min=0)) & (self.positions >= 0)[:, None, None, :]
         else:
@@ -259,13 +259,13 @@ class ThoughtCache(KVCache):
         groups: dict[tuple, list[ThoughtLayer]] = {}
         for layer in self.layers:
             first = max(start, visible_from(self.seen - self.q_len, layer.sliding))
-            groups.setdefault((id(layer.rope), layer.sliding is not None, first), []).append(layer)
-        index = [self._finalize_group(layers, b, t, first, sliding) for (_, sliding, first), layers in groups.items()]
+            groups.setdefault((id(layer.rope), layer.sliding is not None, first, layer.device), []).append(layer)
+        index = [self._finalize_group(layers, b, t, first, sliding) for (_, sliding, first, _), layers in groups.items()]
         if self.config.zoom is None:
             return
         if len(groups) > 1:  # every layer's index key in layer order
             at = torch.tensor([layer.idx for layers in groups.values() for layer in layers], device=index[0].device)
-            stacked = torch.cat(index)
+            stacked = torch.cat([i.to(index[0].device) for i in index])  # a split model: the index lives with layer 0
             index = [torch.empty_like(stacked).index_copy_(0, at, stacked)]
         self.index_rows[b].append(index[0])
         self.index_keys = None
@@ -330,7 +330,7 @@ class ThoughtCache(KVCache):
         if len(layers) < len(self.layers):
             keys = keys[[layer.idx for layer in layers]]
         valid = torch.stack([layer.visible_thoughts(layer.stacked[1]) for layer in layers])  # (L, B, T)
-        q = torch.stack([q for _, q in queries])  # (L, B, Hq, d)
+        q = torch.stack([q.to(keys.device) for _, q in queries])  # (L, B, Hq, d), with the index (a split model)
         pos = layers[0].positions[:, -1]  # (B,) the newest token's position, the same in every layer
         content = torch.empty_like(q)
         for rope in {id(layer.rope): layer.rope for layer in layers}.values():

@@ -27,8 +27,8 @@ def rebuild_rows(cache: "ThoughtCache", moved: list[int]) -> None:
     groups: dict = {}
     for layer in cache.layers:
         if layer.is_initialized:  # (all are, after the first forward)
-            groups.setdefault(layer.sliding, []).append(layer)
-    for sliding, layers in groups.items():
+            groups.setdefault((layer.sliding, layer.device), []).append(layer)  # a split model: per device
+    for (sliding, _), layers in groups.items():
         cut = visible_from(cache.seen - cache.q_len, sliding)
         if cut:
             for layer in layers:
