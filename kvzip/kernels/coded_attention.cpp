@@ -10,8 +10,9 @@
 // - post-RoPE keys: q.D is computed once per query row over the row's atoms, then gathered by code: G N d + T G s;
 // - values stay in atom space: each coded token's weight times its coefficients is added to the weight its atoms
 //   received, and one product with the value atoms closes it: T G s + G N d.
-// Each (row, KV head) is one task of at::parallel_for. A row's atoms are `table[index[b, a]]`: the shared dictionary
-// with the row's own replaced atoms (fixed-size adaptation) patched in, as kvzip.methods.coded.state builds them.
+// Each (row, KV head) is one task of at::parallel_for. Atom a of row b is found by offsets[b, a]: an element offset
+// into the shared dictionary when >= 0, else row -1 - offsets[b, a] of `extra` (the row's own replaced atoms, fixed-size
+// adaptation), as kvzip.sparse.atoms.atom_offsets lays them out.
 //
 // Registered as torch.ops.kvzip.coded_decode_attention; kvzip/kernels/__init__.py builds and loads it, and
 // tests/test_kernels.py holds it to the PyTorch reference path of kvzip/methods/fadkv.py.
@@ -35,8 +36,9 @@ struct Args {
   const float* q;                              // (B, H, G, d) scaled, model channel order
   const void *k_idx, *k_coef, *v_idx, *v_coef;  // (B, H, T, s)
   const at::Half *k_scale, *v_scale;           // (B, H, T) or null
-  const float *k_table, *v_table;              // (R, d) every atom vector a row may see
-  const int32_t *k_index, *v_index;            // (B, Ntot) atom number -> row of the table
+  const float *k_shared, *v_shared;            // the shared atoms, rows of d found by offset
+  const float *k_extra, *v_extra;              // (E, d) the zero row and every row's own atoms
+  const int64_t *k_offsets, *v_offsets;        // (B, Ntot) where each atom number is (atom_offsets)
   const float* key_mean;                       // (H, d) or null
   const float* rope_cs;                        // (P, 2, rope_dim / 2) scaled cos, then sin, by position, or null
   const int64_t* coded_pos;                    // (B, T)
@@ -71,6 +73,10 @@ inline vf load_as_float(const scalar_t* p) {
 }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline const float* atom_at(const float* shared, const float* extra, int64_t offset, int64_t d) {
+  return offset >= 0 ? shared + offset : extra + (-1 - offset) * d;
+}
 
 inline float hsum(vf v) {  // pairwise, in four shuffles and adds
   typedef float v8 __attribute__((vector_size(32)));
@@ -116,7 +122,7 @@ void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vect
   const idx_t* k_idx = static_cast<const idx_t*>(a.k_idx) + bh * a.T * a.s_k;
   const coef_t* k_coef = static_cast<const coef_t*>(a.k_coef) + bh * a.T * a.s_k;
   const at::Half* k_scale = a.k_scale ? a.k_scale + bh * a.T : nullptr;
-  const int32_t* k_index = a.k_index + b * a.k_ntot;
+  const int64_t* k_offsets = a.k_offsets + b * a.k_ntot;
   const float* mean = a.key_mean ? a.key_mean + h * d : nullptr;
 
   // 1. Scores over the coded keys.
@@ -133,7 +139,7 @@ void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vect
       const float unit = k_scale ? static_cast<float>(k_scale[t]) : 1.f;
       for (int64_t j = 0; j < a.s_k; ++j) {
         const float c = static_cast<float>(k_coef[t * a.s_k + j]) * unit;
-        const float* atom = a.k_table + static_cast<int64_t>(k_index[k_idx[t * a.s_k + j]]) * d;
+        const float* atom = atom_at(a.k_shared, a.k_extra, k_offsets[k_idx[t * a.s_k + j]], d);
         for (int64_t v = 0; v < nv; ++v) k[v] += c * load(atom + v * kLanes);
       }
       const float* cos = a.rope_cs + a.coded_pos[b * a.T + t] * 2 * half;  // RoPE at the token's position:
@@ -162,7 +168,7 @@ void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vect
     }
   } else {
     for (int64_t n = 0; n < a.k_ntot; ++n) {  // q.D once per query row, gathered by code below
-      const float* atom = a.k_table + static_cast<int64_t>(k_index[n]) * d;
+      const float* atom = atom_at(a.k_shared, a.k_extra, k_offsets[n], d);
       for (int64_t g = 0; g < G; ++g) {
         vf dot = q[g][0] * load(atom);
         for (int64_t v = 1; v < nv; ++v) dot += q[g][v] * load(atom + v * kLanes);
@@ -240,7 +246,7 @@ void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vect
   const idx_t* v_idx = static_cast<const idx_t*>(a.v_idx) + bh * a.T * a.s_v;
   const coef_t* v_coef = static_cast<const coef_t*>(a.v_coef) + bh * a.T * a.s_v;
   const at::Half* v_scale = a.v_scale ? a.v_scale + bh * a.T : nullptr;
-  const int32_t* v_index = a.v_index + b * a.v_ntot;
+  const int64_t* v_offsets = a.v_offsets + b * a.v_ntot;
   std::fill(acc.begin(), acc.begin() + G * a.v_ntot, 0.f);
   for (int64_t t = 0; t < a.T; ++t) {
     if (!ok[t]) continue;
@@ -252,7 +258,7 @@ void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vect
     }
   }
   for (int64_t n = 0; n < a.v_ntot; ++n) {
-    const float* atom = a.v_table + static_cast<int64_t>(v_index[n]) * d;
+    const float* atom = atom_at(a.v_shared, a.v_extra, v_offsets[n], d);
     vf x[NV ? NV : kMaxHead / kLanes];
     for (int64_t v = 0; v < nv; ++v) x[v] = load(atom + v * kLanes);
     for (int64_t g = 0; g < G; ++g) {
@@ -296,8 +302,9 @@ void dispatch_coef(const Args& a, at::ScalarType coef, at::ScalarType dense) {
   return dispatch_dense<idx_t, at::Half>(a, dense);
 }
 
-void check_codes(const Tensor& idx, const Tensor& coef, const std::optional<Tensor>& scale, const Tensor& table,
-                 const Tensor& index, int64_t B, int64_t H, int64_t T, int64_t d, const char* kind) {
+void check_codes(const Tensor& idx, const Tensor& coef, const std::optional<Tensor>& scale, const Tensor& shared,
+                 const Tensor& extra, const Tensor& offsets, int64_t B, int64_t H, int64_t T, int64_t d,
+                 const char* kind) {
   TORCH_CHECK(idx.dim() == 4 && idx.size(0) == B && idx.size(1) == H && idx.size(2) == T, kind,
               " codes must be (B, H, T, s)");
   TORCH_CHECK(coef.sizes() == idx.sizes() && idx.is_contiguous() && coef.is_contiguous(), kind,
@@ -309,16 +316,20 @@ void check_codes(const Tensor& idx, const Tensor& coef, const std::optional<Tens
   } else {
     TORCH_CHECK(coef.scalar_type() == at::kHalf, kind, " int8 coefficients need their scales");
   }
-  TORCH_CHECK(table.dim() == 2 && table.size(1) == d && table.scalar_type() == at::kFloat && table.is_contiguous(),
-              kind, " table must be (R, d) float32, contiguous");
-  TORCH_CHECK(index.dim() == 2 && index.size(0) == B && index.scalar_type() == at::kInt && index.is_contiguous(),
-              kind, " index must be (B, Ntot) int32, contiguous");
+  TORCH_CHECK(shared.scalar_type() == at::kFloat && shared.size(-1) == d && shared.stride(-1) == 1, kind,
+              " shared atoms must be float32 rows of d");
+  TORCH_CHECK(extra.dim() == 2 && extra.size(1) == d && extra.scalar_type() == at::kFloat && extra.is_contiguous(),
+              kind, " extra atoms must be (E, d) float32, contiguous");
+  TORCH_CHECK(offsets.dim() == 2 && offsets.size(0) == B && offsets.scalar_type() == at::kLong &&
+                  offsets.is_contiguous(),
+              kind, " offsets must be (B, Ntot) int64, contiguous");
 }
 
 Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor& k_coef,
-                              const std::optional<Tensor>& k_scale, const Tensor& k_table, const Tensor& k_index,
-                              const Tensor& v_idx, const Tensor& v_coef, const std::optional<Tensor>& v_scale,
-                              const Tensor& v_table, const Tensor& v_index, const std::optional<Tensor>& key_mean,
+                              const std::optional<Tensor>& k_scale, const Tensor& k_shared, const Tensor& k_extra,
+                              const Tensor& k_offsets, const Tensor& v_idx, const Tensor& v_coef,
+                              const std::optional<Tensor>& v_scale, const Tensor& v_shared, const Tensor& v_extra,
+                              const Tensor& v_offsets, const std::optional<Tensor>& key_mean,
                               const std::optional<Tensor>& rope_cs, const Tensor& coded_pos, const Tensor& dense_k,
                               const Tensor& dense_v, const Tensor& allowed) {
   TORCH_CHECK(q.device().is_cpu(), "coded_decode_attention runs on the CPU");
@@ -327,8 +338,8 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
               "coded_decode_attention: head sizes up to ", kMaxHead, " in multiples of ", kLanes, ", up to ",
               kMaxGroup, " query heads per KV head");
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), d = q.size(3), T = k_idx.size(2);
-  check_codes(k_idx, k_coef, k_scale, k_table, k_index, B, H, T, d, "key");
-  check_codes(v_idx, v_coef, v_scale, v_table, v_index, B, H, T, d, "value");
+  check_codes(k_idx, k_coef, k_scale, k_shared, k_extra, k_offsets, B, H, T, d, "key");
+  check_codes(v_idx, v_coef, v_scale, v_shared, v_extra, v_offsets, B, H, T, d, "value");
   TORCH_CHECK(k_idx.scalar_type() == v_idx.scalar_type() && k_coef.scalar_type() == v_coef.scalar_type(),
               "keys and values must be coded alike");
   TORCH_CHECK(dense_k.dim() == 4 && dense_k.size(0) == B && dense_k.size(1) == H && dense_k.size(3) == d &&
@@ -355,10 +366,11 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
     TORCH_CHECK(key_mean->scalar_type() == at::kFloat && key_mean->is_contiguous() && key_mean->numel() == H * d,
                 "key_mean must be (H, d) float32");
   Tensor out = at::empty({B, H, G, d}, q.options());
-  Args a{B, H, G, d, T, S, k_idx.size(3), v_idx.size(3), k_index.size(1), v_index.size(1), rope_dim,
+  Args a{B, H, G, d, T, S, k_idx.size(3), v_idx.size(3), k_offsets.size(1), v_offsets.size(1), rope_dim,
          q.data_ptr<float>(), k_idx.data_ptr(), k_coef.data_ptr(), v_idx.data_ptr(), v_coef.data_ptr(),
          k_scale ? k_scale->data_ptr<at::Half>() : nullptr, v_scale ? v_scale->data_ptr<at::Half>() : nullptr,
-         k_table.data_ptr<float>(), v_table.data_ptr<float>(), k_index.data_ptr<int32_t>(), v_index.data_ptr<int32_t>(),
+         k_shared.data_ptr<float>(), v_shared.data_ptr<float>(), k_extra.data_ptr<float>(), v_extra.data_ptr<float>(),
+         k_offsets.data_ptr<int64_t>(), v_offsets.data_ptr<int64_t>(),
          key_mean ? key_mean->data_ptr<float>() : nullptr, rope_cs ? rope_cs->data_ptr<float>() : nullptr,
          coded_pos.data_ptr<int64_t>(), dense_k.data_ptr(), dense_v.data_ptr(), dense_k.stride(0), dense_k.stride(1),
          dense_k.stride(2), allowed.data_ptr<bool>(), out.data_ptr<float>()};
@@ -372,8 +384,9 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvzip, m) {
-  m.def("coded_decode_attention(Tensor q, Tensor k_idx, Tensor k_coef, Tensor? k_scale, Tensor k_table, "
-        "Tensor k_index, Tensor v_idx, Tensor v_coef, Tensor? v_scale, Tensor v_table, Tensor v_index, "
+  m.def("coded_decode_attention(Tensor q, Tensor k_idx, Tensor k_coef, Tensor? k_scale, Tensor k_shared, "
+        "Tensor k_extra, Tensor k_offsets, Tensor v_idx, Tensor v_coef, Tensor? v_scale, Tensor v_shared, "
+        "Tensor v_extra, Tensor v_offsets, "
         "Tensor? key_mean, Tensor? rope_cs, Tensor coded_pos, Tensor dense_k, Tensor dense_v, Tensor allowed) "
         "-> Tensor");
   m.impl("coded_decode_attention", c10::DispatchKey::CPU, TORCH_FN(coded_decode_attention));

@@ -8,10 +8,10 @@
 // the Cholesky factor of the chosen atoms' Gram matrix, solves the least squares for all chosen atoms and forms the
 // new residual, O(P d + k d + k^2) per step for a pool of P.
 //
-// `screen_pursue(x, corr, table, index, per, chosen, pool, steps, top) -> (idx, coef, residual)`:
-//   x (M, d) fp32 vectors, group-major: vector v is coded with group v / per's atoms, atom a being the row
-//   index[v / per, a] of `table` (R, d) (the shared atoms with each row's own atoms patched in, as
-//   kvzip.sparse.atoms.Grouped lays them out); corr (M, Ntot) the residual's correlations with every atom; chosen
+// `screen_pursue(x, corr, shared, extra, offsets, per, chosen, pool, steps, top) -> (idx, coef, residual)`:
+//   x (M, d) fp32 vectors, group-major: vector v is coded with group v / per's atoms, atom a being found by
+//   offsets[v / per, a]: an element offset into the shared atoms when >= 0, else row -1 - offset of `extra` (the
+//   rows' own atoms; kvzip.sparse.atoms.atom_offsets); corr (M, Ntot) the residual's correlations with every atom; chosen
 //   (M, k0) atoms a first shot already picked (k0 may be 0), kept out of the pool; pool: candidates to screen;
 //   steps: atoms in the code when done. The pool is `champions` (the largest |corr| of each of `pool` contiguous
 //   groups of atoms, compared as screen.champions packs them) unless `top` (the exact `pool` largest). Returns the
@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -47,9 +48,7 @@ inline float dot(const float* a, const float* b, int64_t d) {
 // |c| as screen.pack_abs orders it: the float's bits with the low `low` bits replaced by the column, so that an
 // integer max picks the largest |c| and, on a near-tie, the higher column.
 inline int32_t packed(float c, int32_t column, int32_t low) {
-  int32_t bits;
-  std::memcpy(&bits, &c, sizeof(bits));
-  return (bits & 0x7FFFFFFF & ~low) | column;
+  return (std::bit_cast<int32_t>(c) & 0x7FFFFFFF & ~low) | column;
 }
 
 inline int32_t low_bits(int64_t columns) {  // (1 << bit_length(columns - 1)) - 1, at least 1
@@ -61,8 +60,8 @@ inline int32_t low_bits(int64_t columns) {  // (1 << bit_length(columns - 1)) - 
 struct Pursuit {
   int64_t d, ntot, per, k0, pool, steps;
   bool top;
-  const float *x, *corr, *table;
-  const int32_t* index;
+  const float *x, *corr, *shared, *extra;
+  const int64_t* offsets;
   const int64_t* chosen;
   int64_t *idx_out;
   float *coef_out, *res_out;
@@ -73,8 +72,11 @@ void pursue_one(const Pursuit& p, int64_t v, std::vector<int64_t>& pool, std::ve
   const int64_t d = p.d, s = p.steps;
   const float* x = p.x + v * d;
   const float* c = p.corr + v * p.ntot;
-  const int32_t* index = p.index + (v / p.per) * p.ntot;
-  auto atom = [&](int64_t a) { return p.table + static_cast<int64_t>(index[a]) * d; };
+  const int64_t* offsets = p.offsets + (v / p.per) * p.ntot;
+  auto atom = [&](int64_t a) {
+    const int64_t o = offsets[a];
+    return o >= 0 ? p.shared + o : p.extra + (-1 - o) * d;
+  };
   int64_t* idx = p.idx_out + v * s;
   float* coef = p.coef_out + v * s;
   float* r = p.res_out + v * d;
@@ -84,10 +86,16 @@ void pursue_one(const Pursuit& p, int64_t v, std::vector<int64_t>& pool, std::ve
   if (!p.top && p.ntot % n == 0 && p.ntot / n >= 2) {  // screen.champions
     const int32_t low = low_bits(p.ntot);
     const int64_t width = p.ntot / n;
+    const int32_t keep = 0x7FFFFFFF & ~low;
+    const int32_t* bits = reinterpret_cast<const int32_t*>(c);
     for (int64_t g = 0; g < n; ++g) {
-      int32_t best = packed(c[g * width], static_cast<int32_t>(g * width), low);
-      for (int64_t a = g * width + 1; a < (g + 1) * width; ++a)
-        best = std::max(best, packed(c[a], static_cast<int32_t>(a), low));
+      int32_t best = 0;
+      const int32_t first = static_cast<int32_t>(g * width);
+#pragma omp simd reduction(max : best)
+      for (int32_t a = first; a < first + static_cast<int32_t>(width); ++a) {
+        const int32_t q = (bits[a] & keep) | a;
+        best = q > best ? q : best;
+      }
       pool[g] = best & low;
     }
   } else {  // the exact n largest |c|
@@ -166,20 +174,23 @@ void pursue_one(const Pursuit& p, int64_t v, std::vector<int64_t>& pool, std::ve
   for (int64_t i = 0; i < s; ++i) coef[i] = live[i] ? a[i] : 0.f;
 }
 
-std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& corr, const Tensor& table,
-                                                 const Tensor& index, int64_t per, const Tensor& chosen,
-                                                 int64_t pool, int64_t steps, bool top) {
+std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& corr, const Tensor& shared,
+                                                 const Tensor& extra, const Tensor& offsets, int64_t per,
+                                                 const Tensor& chosen, int64_t pool, int64_t steps, bool top) {
   TORCH_CHECK(x.device().is_cpu(), "screen_pursue runs on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (M, d) float32");
   const int64_t M = x.size(0), d = x.size(1);
   TORCH_CHECK(corr.dim() == 2 && corr.size(0) == M && corr.scalar_type() == at::kFloat && corr.is_contiguous(),
               "corr must be (M, Ntot) float32");
   const int64_t ntot = corr.size(1);
-  TORCH_CHECK(table.dim() == 2 && table.size(1) == d && table.scalar_type() == at::kFloat && table.is_contiguous(),
-              "table must be (R, d) float32");
-  TORCH_CHECK(index.dim() == 2 && index.size(1) == ntot && index.scalar_type() == at::kInt && index.is_contiguous(),
-              "index must be (groups, Ntot) int32");
-  TORCH_CHECK(per >= 1 && M == index.size(0) * per, "x holds `per` vectors of each group, group-major");
+  TORCH_CHECK(shared.scalar_type() == at::kFloat && shared.size(-1) == d && shared.stride(-1) == 1,
+              "shared atoms must be float32 rows of d");
+  TORCH_CHECK(extra.dim() == 2 && extra.size(1) == d && extra.scalar_type() == at::kFloat && extra.is_contiguous(),
+              "extra atoms must be (E, d) float32");
+  TORCH_CHECK(offsets.dim() == 2 && offsets.size(1) == ntot && offsets.scalar_type() == at::kLong &&
+                  offsets.is_contiguous(),
+              "offsets must be (groups, Ntot) int64");
+  TORCH_CHECK(per >= 1 && M == offsets.size(0) * per, "x holds `per` vectors of each group, group-major");
   TORCH_CHECK(chosen.dim() == 2 && chosen.size(0) == M && chosen.scalar_type() == at::kLong && chosen.is_contiguous(),
               "chosen must be (M, k0) int64");
   const int64_t k0 = chosen.size(1);
@@ -188,9 +199,9 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
   auto idx = at::empty({M, steps}, x.options().dtype(at::kLong));
   auto coef = at::empty({M, steps}, x.options());
   auto res = at::empty({M, d}, x.options());
-  Pursuit p{d, ntot, per, k0, pool, steps, top, x.data_ptr<float>(), corr.data_ptr<float>(), table.data_ptr<float>(),
-            index.data_ptr<int32_t>(), chosen.data_ptr<int64_t>(), idx.data_ptr<int64_t>(), coef.data_ptr<float>(),
-            res.data_ptr<float>()};
+  Pursuit p{d, ntot, per, k0, pool, steps, top, x.data_ptr<float>(), corr.data_ptr<float>(), shared.data_ptr<float>(),
+            extra.data_ptr<float>(), offsets.data_ptr<int64_t>(), chosen.data_ptr<int64_t>(), idx.data_ptr<int64_t>(),
+            coef.data_ptr<float>(), res.data_ptr<float>()};
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> pool_atoms(std::min(pool, ntot));
     std::vector<float> pc(std::min(pool, ntot));
@@ -204,7 +215,7 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvzip, m) {
-  m.def("screen_pursue(Tensor x, Tensor corr, Tensor table, Tensor index, int per, Tensor chosen, int pool, "
-        "int steps, bool top) -> (Tensor, Tensor, Tensor)");
+  m.def("screen_pursue(Tensor x, Tensor corr, Tensor shared, Tensor extra, Tensor offsets, int per, Tensor chosen, "
+        "int pool, int steps, bool top) -> (Tensor, Tensor, Tensor)");
   m.impl("screen_pursue", c10::DispatchKey::CPU, TORCH_FN(screen_pursue));
 }

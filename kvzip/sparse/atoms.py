@@ -32,9 +32,11 @@ class Shared:
         """x (1, m, d) -> (m, N) correlations with every atom (written into `out` when given)."""
         return torch.mm(x.reshape(-1, x.shape[-1]), self.atoms.T, out=out)
 
-    def lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table (N, d), index (1, N) int32): atom a is table[index[0, a]], as the fused kernels read atoms."""
-        return self.atoms.contiguous(), torch.arange(self.size, dtype=torch.int32, device=self.atoms.device)[None]
+    def lookup(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The atoms as the fused kernels read them (`atom_offsets`): (shared, extra, offsets (1, N))."""
+        atoms = self.atoms.contiguous()
+        numbers = torch.arange(self.size, device=atoms.device)
+        return atoms, atoms.new_zeros(1, atoms.shape[1]), (numbers * atoms.shape[1])[None]
 
     def reconstruct(self, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
         """Codes idx, coef (M, s) -> vectors (M, d)."""
@@ -69,9 +71,10 @@ class Grouped:
         dev = atoms.device
         # each group's Gram block, as an offset into grams' flat storage
         self.grams, self.gram_at = grams.reshape(-1), slots.repeat_interleave(B) * N * N  # (G,)
-        # Every atom vector a group can see in one table: the shared atoms of all L dictionaries, one zero row, the
-        # overlays; `index` (G, size) says which row of it is atom a of group g (rows from `own` on: not shared).
-        self.table = torch.cat([self.atoms.reshape(L * N, d), self.atoms.new_zeros(1, d), self.vectors.reshape(-1, d)])
+        # Every atom vector a group can see in one table (`table`, made when a PyTorch path first needs it): the shared
+        # atoms of all L dictionaries, one zero row, the overlays; `index` (G, size) says which row of it is atom a of
+        # group g (rows from `own` on: not shared).
+        self._table = None
         self.own = L * N
         base = torch.arange(L, device=dev).repeat_interleave(B)[:, None] * N  # (G, 1) each group's shared block
         cols = torch.arange(size, device=dev)
@@ -85,10 +88,20 @@ class Grouped:
         self.live = (self.ids >= 0).nonzero(as_tuple=True)  # (group, slot) of every live overlay atom
         self._norms = None
 
-    def lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table (R, d), index (G, size) int32): atom a of group g is table[index[g, a]], as the fused kernels read
-        atoms (appended numbers no overlay fills point at the zero row)."""
-        return self.table.contiguous(), self.index.int().contiguous()
+    @property
+    def table(self) -> torch.Tensor:
+        if self._table is None:
+            L, N, d = self.atoms.shape
+            self._table = torch.cat([self.atoms.reshape(L * N, d), self.atoms.new_zeros(1, d),
+                                     self.vectors.reshape(-1, d)])
+        return self._table
+
+    def lookup(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The atoms as the fused kernels read them (`atom_offsets`), with no copy of the shared atoms: (shared
+        (L, N, d) as stacked, extra (1 + G·R, d): the zero row then the overlays, offsets (G, size))."""
+        L, N, d = self.atoms.shape
+        extra = torch.cat([self.atoms.new_zeros(1, d), self.vectors.reshape(-1, d)])
+        return self.atoms, extra, atom_offsets(self.index, self.atoms, self.own)
 
     def _group(self, m: int, device) -> torch.Tensor:
         """The group of each of m = G x per vectors (group-major)."""
@@ -162,6 +175,16 @@ class Grouped:
         if self.size > N:
             out = torch.cat([out * (j < N)[:, None], out.new_zeros(out.shape[0], self.size - N)], 1)
         return out
+
+
+def atom_offsets(rows: torch.Tensor, shared: torch.Tensor, own: int) -> torch.Tensor:
+    """Table rows (any shape) -> where the fused kernels find each atom: rows below `own` are shared atoms, stacked
+    in `shared` (L, N, d) (any layer stride, rows of d contiguous), and become their element offset from its first
+    element (>= 0); the others are row `rows - own` of the extra table and become -1 - that row (< 0)."""
+    n, d = shared.shape[-2], shared.shape[-1]
+    layer_stride = shared.stride(0) if shared.dim() == 3 else n * d
+    shared_at = (rows // n) * layer_stride + (rows % n) * d
+    return torch.where(rows < own, shared_at, own - 1 - rows).contiguous()
 
 
 class PoolGram:

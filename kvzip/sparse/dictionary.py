@@ -165,8 +165,11 @@ def prepare_layers(dictionaries: KVDictionary, device, paired: bool | list[int] 
                 mean = None if mean is None else to_pairs(mean, dim).contiguous()
             atoms.append((d_k, d_v, mean))
         grams = torch.stack([gram_matrix(d) for d_k, d_v, _ in atoms for d in (d_k, d_v)])  # (2L, N, N)
-        dictionaries.prepared[key] = [LayerAtoms(d_k, d_v, grams[2 * i], grams[2 * i + 1], mean, grams, 2 * i)
-                                      for i, (d_k, d_v, mean) in enumerate(atoms)]
+        # every layer's key and value atoms as views of one (2L, N, d) allocation, so that a coder reading all of a
+        # cache's dictionaries at once reads them in place (kvzip.methods.coded.coding.stacked_atoms)
+        stack = torch.stack([d for d_k, d_v, _ in atoms for d in (d_k, d_v)])
+        dictionaries.prepared[key] = [LayerAtoms(stack[2 * i], stack[2 * i + 1], grams[2 * i], grams[2 * i + 1], mean,
+                                                 grams, 2 * i) for i, (_, _, mean) in enumerate(atoms)]
     return dictionaries.prepared[key]
 
 

@@ -98,27 +98,26 @@ def _second_shot(xc, dic, first, a, state, n, pick, packed, out):
 def _fused_chunk(xc: torch.Tensor, dic, s: int, n: int, n2: int, two: bool, pick: str, out=None):
     """One chunk (G, m, d) fp32 through the fused pursuit (torch.ops.kvzip.screen_pursue, kvzip/kernels): the same
     shots, pools and picks as the PyTorch path below, each vector's pursuit in one pass with an explicit residual;
-    the correlations with every atom stay one batched product here. Returns idx, coef (G·m, s)."""
+    the correlations with every atom stay one batched product here. Returns idx, coef (G·m, s) and the residuals
+    x - D c (G·m, d)."""
     G, m, d = xc.shape
     x = xc.reshape(G * m, d).contiguous()
-    table, index = dic.lookup()
+    atoms = dic.lookup()
     top = pick == "top"
     none = torch.empty(G * m, 0, dtype=torch.long, device=x.device)
     c0 = dic.correlations(xc, out=out).contiguous()
     if not two:
-        idx, coef, _ = torch.ops.kvzip.screen_pursue(x, c0, table, index, m, none, n, s, top)
-        return idx, coef
-    first, _, res = torch.ops.kvzip.screen_pursue(x, c0, table, index, m, none, n, s // 2, top)
+        return torch.ops.kvzip.screen_pursue(x, c0, *atoms, m, none, n, s, top)
+    first, _, res = torch.ops.kvzip.screen_pursue(x, c0, *atoms, m, none, n, s // 2, top)
     c1 = dic.correlations(res.view(G, m, d), out=out).contiguous()
     c1.scatter_(1, first, 0.0)  # picked atoms are orthogonal to the residual
-    idx, coef, _ = torch.ops.kvzip.screen_pursue(x, c1, table, index, m, first, n2, s, top)
-    return idx, coef
+    return torch.ops.kvzip.screen_pursue(x, c1, *atoms, m, first, n2, s, top)
 
 
 @torch.no_grad()
 def screen(x: torch.Tensor, D, s: int, n: int = POOL, gram: torch.Tensor | None = None,
            shots: int = 2, pick: str = "champions", n2: int | None = None,
-           chunk: int | None = None, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           chunk: int | None = None, fused: bool = False, residuals: bool = False):
     """Code x (M, d) with s atoms of D (N, d, unit-norm rows) chosen from top-n screening pools; or x (G, m, d) with D
     an atoms.Grouped (each group coded with its own atoms, all in one pass).
 
@@ -126,7 +125,8 @@ def screen(x: torch.Tensor, D, s: int, n: int = POOL, gram: torch.Tensor | None 
     x ≈ (coef.unsqueeze(-1) * D[idx]).sum(-2). `gram` = gram_matrix(D), computed once per dictionary by the caller.
     Computes in fp32. n is clamped to [s, N]. `pick` chooses how pools are formed (module docstring); n2 (default
     2n) is the second shot's pool size. `fused`: each pursuit in the fused CPU kernel (the caller checks that
-    kvzip.kernels are available); the same codes but for float rounding on near-ties.
+    kvzip.kernels are available); the same codes but for float rounding on near-ties. `residuals`: also return
+    x - D c (x's shape), which the fused pursuit forms anyway.
     """
     if shots not in SHOTS:
         raise ValueError(f"shots must be one of {SHOTS}, got {shots}")
@@ -143,15 +143,16 @@ def screen(x: torch.Tensor, D, s: int, n: int = POOL, gram: torch.Tensor | None 
     # shots: fresh 8 MB tensors per chunk cost ~20% of the coding time on CPU (page faults)
     corr = torch.empty(rows, N, device=x.device) if dic.groups == 1 else None
     packed = torch.empty(rows, N, dtype=torch.int32, device=x.device)
-    idx_out, coef_out = [], []
+    idx_out, coef_out, res_out = [], [], []
     for part in parts:
         xc = xg[:, part].float()                              # (G, m, d)
         m = xc.shape[0] * xc.shape[1]
         if fused:
-            i, a = _fused_chunk(xc, dic, s, n, n2, shots == 2 and s >= 2 and n < N, pick,
-                                None if corr is None else corr[:m])
+            i, a, r = _fused_chunk(xc, dic, s, n, n2, shots == 2 and s >= 2 and n < N, pick,
+                                   None if corr is None else corr[:m])
             idx_out.append(i.view(*xc.shape[:2], s))
             coef_out.append(a.view(*xc.shape[:2], s))
+            res_out.append(r.view(xc.shape))
             continue
         c0 = dic.correlations(xc, out=None if corr is None else corr[:m])  # (m, N) correlations with every atom
         pool = pick_pool(c0, n, pick, packed[:m])             # (m, n) first candidate pool
@@ -166,4 +167,9 @@ def screen(x: torch.Tensor, D, s: int, n: int = POOL, gram: torch.Tensor | None 
         idx_out.append(i.view(*xc.shape[:2], s))
         coef_out.append(a.view(*xc.shape[:2], s))
     idx, coef = torch.cat(idx_out, 1), torch.cat(coef_out, 1).to(x.dtype)
-    return (idx, coef) if x.dim() == 3 else (idx[0], coef[0])
+    out = (idx, coef)
+    if residuals:
+        res = torch.cat(res_out, 1) if fused else xg.float() - dic.reconstruct(
+            idx.reshape(-1, s), coef.float().reshape(-1, s)).view(xg.shape)
+        out = (idx, coef, res.to(x.dtype))
+    return out if x.dim() == 3 else tuple(t[0] for t in out)

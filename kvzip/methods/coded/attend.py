@@ -92,13 +92,13 @@ class CodedAttention:
         allowed = (torch.ones(b, width, dtype=torch.bool, device=query.device) if allowed is None
                    else allowed.expand(b, 1, width).reshape(b, width).contiguous())
         dim = None if self.rope is None else self.rope.dim  # pre-RoPE: the kernel turns keys in the model's order
-        (k_table, k_index), (v_table, v_index) = self.coded_keys.lookup(dim), self.coded_values.lookup()
+        k_atoms, v_atoms = self.coded_keys.lookup(dim), self.coded_values.lookup()
         k, v = self.coded_keys.codes, self.coded_values.codes
         if self.key_mean is not None and "mean" not in self.__dict__:
             mean = self.key_mean.float()
             self.mean = (mean if dim is None else from_pairs(mean, dim)).contiguous()
         out = torch.ops.kvzip.coded_decode_attention(
-            qg, k.idx, k.stored, k.scale, k_table, k_index, v.idx, v.stored, v.scale, v_table, v_index,
+            qg, k.idx, k.stored, k.scale, *k_atoms, v.idx, v.stored, v.scale, *v_atoms,
             None if self.key_mean is None else self.mean,
             None if self.rope is None else self._rope_cs(), self.coded_pos, self.keys, self.values, allowed)
         return out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)

@@ -36,12 +36,17 @@ CHUNK = 16384
 
 def code(options: "Fadkv", x: torch.Tensor, atoms: Grouped, sparsity: int):
     """x (G, m, d) -> idx, coef (G, m, s), group g coded over group g's atoms, by the options' coder (screening's
-    pursuit in the fused CPU kernel where `kernel=auto` and it runs, kvzip/kernels)."""
+    pursuit in the fused CPU kernel where `kernel=auto` and it runs, kvzip/kernels), and the residuals x - D c
+    (G, m, d)."""
     if options.coder == "omp":
-        return omp(x, atoms, sparsity)
-    fused = options.kernel == "auto" and x.device.type == "cpu" and kernels.available()
-    return screen(x, atoms, sparsity, n=options.screen_pool, shots=options.screen_shots, pick=options.screen_pick,
-                  chunk=CHUNK, fused=fused)
+        idx, coef = omp(x, atoms, sparsity)
+    else:
+        fused = options.kernel == "auto" and x.device.type == "cpu" and kernels.available()
+        idx, coef, res = screen(x, atoms, sparsity, n=options.screen_pool, shots=options.screen_shots,
+                                pick=options.screen_pick, chunk=CHUNK, fused=fused, residuals=True)
+        return idx, coef, res
+    rebuilt = atoms.reconstruct(idx.reshape(-1, sparsity), coef.reshape(-1, sparsity)).view(x.shape)
+    return idx, coef, x - rebuilt
 
 
 @dataclass
@@ -55,10 +60,9 @@ class CodingStats:
     seconds: float = 0.0
 
 
-def relative_error(x: torch.Tensor, atoms: Grouped, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """||x - D c|| / ||x|| (G, m) for vectors x (G, m, d) and their codes idx, coef (G, m, s)."""
-    rebuilt = atoms.reconstruct(idx.reshape(-1, idx.shape[-1]), coef.reshape(-1, coef.shape[-1])).view(x.shape)
-    return (x - rebuilt).norm(dim=-1) / x.norm(dim=-1).clamp(min=NORM_EPS)
+def relative_error(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """||x - D c|| / ||x|| (G, m) for vectors x (G, m, d) and their residuals x - D c."""
+    return residual.norm(dim=-1) / x.norm(dim=-1).clamp(min=NORM_EPS)
 
 
 def dictionaries(kinds: list[CodedKind], rows: torch.Tensor) -> Grouped:
@@ -68,8 +72,21 @@ def dictionaries(kinds: list[CodedKind], rows: torch.Tensor) -> Grouped:
     ids = torch.stack([_pad(o.ids[rows], width, -1) for o in ov])  # (L, B', R)
     vectors = torch.stack([_pad(o.vectors[rows], width, 0.0) for o in ov])  # (L, B', R, d)
     slots = torch.tensor([kind.gram_slot for kind in kinds], device=rows.device)
-    return Grouped(torch.stack([kind.atoms for kind in kinds]), ids, vectors, max(kind.n_total() for kind in kinds),
-                   kinds[0].grams, slots)
+    return Grouped(stacked_atoms(kinds), ids, vectors, max(kind.n_total() for kind in kinds), kinds[0].grams, slots)
+
+
+def stacked_atoms(kinds: list[CodedKind]) -> torch.Tensor:
+    """The kinds' shared atoms as one (L, N, d) tensor: a view when they sit at a constant stride in one allocation
+    (kvzip.sparse.dictionary.prepare_layers stacks every layer's keys and values: all of a cache's kinds, or every
+    other one), else a stacked copy."""
+    first = kinds[0].atoms
+    step = kinds[1].atoms.data_ptr() - first.data_ptr() if len(kinds) > 1 else 0
+    same = all(k.atoms.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and k.atoms.is_contiguous()
+               and k.atoms.shape == first.shape and k.atoms.data_ptr() - first.data_ptr() == i * step
+               for i, k in enumerate(kinds))
+    if same and step >= 0 and step % first.element_size() == 0 and step // first.element_size() >= first.numel():
+        return first.as_strided((len(kinds), *first.shape), (step // first.element_size(), first.shape[1], 1))
+    return torch.stack([kind.atoms for kind in kinds])
 
 
 def code_kinds(kinds: list[CodedKind], rows: torch.Tensor, x: torch.Tensor, real: torch.Tensor, options: "Fadkv",
@@ -81,10 +98,10 @@ def code_kinds(kinds: list[CodedKind], rows: torch.Tensor, x: torch.Tensor, real
     s = kinds[0].sparsity
     x, real = x.view(L * B, m, d), real.view(L * B, m)
     atoms = dictionaries(kinds, rows)
-    idx, coef = code(options, x, atoms, s)
-    err = relative_error(x, atoms, idx, coef) * real
+    idx, coef, res = code(options, x, atoms, s)
+    err = relative_error(x, res) * real
     if options.adapt != "none":
-        idx, coef, err = adapt(kinds, rows, x, real, atoms, idx, coef, err, options, stats)
+        idx, coef, err = adapt(kinds, rows, x, real, atoms, idx, coef, res, err, options, stats)
     stats.residual_sum += float(err.sum())
     stats.vectors += int(real.sum())
     for kind, i, r in zip(kinds, idx.view(L, B, m, s), real.view(L, B, m)):
@@ -92,11 +109,11 @@ def code_kinds(kinds: list[CodedKind], rows: torch.Tensor, x: torch.Tensor, real
     return idx.view(L, B, m, s), coef.view(L, B, m, s)
 
 
-def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, err, options: "Fadkv", stats: CodingStats):
+def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, residual, err, options: "Fadkv", stats: CodingStats):
     """Fixed-size adaptation for every group (kind x row) at once: each group's worst-coded real vectors x (G, m, d)
-    above the threshold (at most `max_new_atoms`) get their normalised residuals placed as atoms of the row's overlay
-    (replacing its inactive atoms, least recently used first, or appended), then are re-coded. Returns idx, coef and
-    the relative errors err (G, m), updated where vectors were re-coded."""
+    above the threshold (at most `max_new_atoms`) get their normalised residuals (`residual`, x - D c) placed as atoms
+    of the row's overlay (replacing its inactive atoms, least recently used first, or appended), then are re-coded.
+    Returns idx, coef and the relative errors err (G, m), updated where vectors were re-coded."""
     G, m, d = x.shape
     k = min(options.max_new_atoms, m)
     worst, pos = err.topk(k, dim=1)  # (G, k), worst first: filler vectors have error 0
@@ -118,8 +135,7 @@ def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, err, options: "Fadkv"
     if not bool(place.any()):
         return idx, coef, err
     g = torch.arange(G, device=x.device)[:, None]
-    xb = x[g, pos]  # (G, k, d)
-    res = xb - atoms.reconstruct(idx[g, pos].view(G * k, -1), coef[g, pos].view(G * k, -1)).view(G, k, d)
+    xb, res = x[g, pos], residual[g, pos]  # (G, k, d)
     vectors = res / res.norm(dim=-1, keepdim=True).clamp(min=NORM_EPS)
     b = len(rows)
     for i, kind in enumerate(kinds):
@@ -128,8 +144,8 @@ def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, err, options: "Fadkv"
     stats.replaced += int(place.sum())
     recode = bad & place.any(1, keepdim=True)  # a group that placed an atom re-codes all its bad vectors
     atoms = dictionaries(kinds, rows)
-    new_idx, new_coef = code(options, xb, atoms, kinds[0].sparsity)
-    new_err = relative_error(xb, atoms, new_idx, new_coef)
+    new_idx, new_coef, new_res = code(options, xb, atoms, kinds[0].sparsity)
+    new_err = relative_error(xb, new_res)
     idx, coef, err = idx.clone(), coef.clone(), err.clone()
     gg, kk = recode.nonzero(as_tuple=True)
     idx[gg, pos[gg, kk]], coef[gg, pos[gg, kk]] = new_idx[gg, kk], new_coef[gg, kk]

@@ -17,6 +17,7 @@ import torch
 
 from kvzip.methods.base import tensor_bytes
 from kvzip.rope import from_pairs
+from kvzip.sparse.atoms import atom_offsets
 from kvzip.sparse import attention as coded
 
 OVERLAY_ID_BYTES = 8  # the int64 atom number stored with each overlay vector
@@ -168,28 +169,28 @@ class CodedKind:
         w_base = w_atoms.scatter(-1, ids, 0.0)
         return w_base[..., : self.n_atoms] @ self.atoms + torch.einsum("bhgr,brd->bhgd", w_ov, ov.vectors)
 
-    def lookup(self, rope_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The atoms each row sees as one table and an index into it, for the fused kernel (kvzip/kernels): table
-        (R, d) fp32 (the shared atoms, a zero row for appended numbers no vector fills yet, then every row's overlay
-        vectors) and index (B, Ntot) int32, atom number -> row of the table. With `rope_dim` (pre-RoPE key atoms,
-        kept in `to_pairs` order) the table is in the model's channel order, as the kernel turns keys. Rebuilt only
-        when the overlay changed."""
+    def lookup(self, rope_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The atoms each row sees, as the fused kernels read them (kvzip.sparse.atoms.atom_offsets): the shared
+        atoms (N, d), an extra table (a zero row for appended numbers no vector fills yet, then every row's overlay
+        vectors) and offsets (B, Ntot) int64. With `rope_dim` (pre-RoPE key atoms, kept in `to_pairs` order) the
+        atoms are in the model's channel order, as the kernel turns keys. Rebuilt only when the overlay changed."""
         ov = self.overlay
         if self._lookup is None or self._lookup[0] != (ov.version, rope_dim):
             n, d = self.atoms.shape
             batch, width = ov.ids.shape
-            n_tot = self.n_total()
-            numbers = torch.arange(n_tot, device=self.atoms.device)
-            index = torch.where(numbers < n, numbers, n).expand(batch, n_tot).clone()  # past N: the zero row
-            table = self.atoms
+            numbers = torch.arange(self.n_total(), device=self.atoms.device)
+            rows = torch.where(numbers < n, numbers, n).expand(batch, -1).clone()  # past N: the zero row
             if width:
-                table = torch.cat([self.atoms, self.atoms.new_zeros(1, d), ov.vectors.reshape(-1, d).float()])
-                rows, slots = (ov.ids >= 0).nonzero(as_tuple=True)
-                index[rows, ov.ids[rows, slots]] = n + 1 + rows * width + slots
+                live_rows, slots = (ov.ids >= 0).nonzero(as_tuple=True)
+                rows[live_rows, ov.ids[live_rows, slots]] = n + 1 + live_rows * width + slots
+            shared = self.atoms
+            extra = torch.cat([self.atoms.new_zeros(1, d), ov.vectors.reshape(-1, d).float()])
             if rope_dim is not None:
-                table = from_pairs(table, rope_dim)
-            self._lookup = ((ov.version, rope_dim), table.contiguous(), index.int().contiguous())
-        return self._lookup[1], self._lookup[2]
+                kept = self._lookup[1] if self._lookup is not None and self._lookup[0][1] == rope_dim else None
+                shared = kept if kept is not None else from_pairs(self.atoms, rope_dim).contiguous()
+                extra = from_pairs(extra, rope_dim).contiguous()
+            self._lookup = ((ov.version, rope_dim), shared, extra, atom_offsets(rows, shared, n))
+        return self._lookup[1:]
 
     def atom_table(self, batch: int) -> torch.Tensor:
         """(B, Ntot + 1, d): the atoms each row sees, the shared dictionary patched by the row's overlay, and a spare
