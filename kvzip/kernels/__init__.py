@@ -19,6 +19,7 @@ torch's loader rebuilds when the sources or flags change and locks the folder, s
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
@@ -44,8 +45,11 @@ def _build() -> None:
     here = Path(__file__).resolve().parent
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name="kvzip_kernels", sources=[str(here / s) for s in SOURCES], extra_cflags=list(FLAGS),
-                       build_directory=str(folder), is_python_module=False, verbose=False)
+    # torch's loader rebuilds when a source or a flag changes, not a header: the header's hash goes in as a flag
+    header = hashlib.sha1((here / "vec.h").read_bytes()).hexdigest()[:12]
+    cpp_extension.load(name="kvzip_kernels", sources=[str(here / s) for s in SOURCES],
+                       extra_cflags=[*FLAGS, f"-DKVZIP_VEC_H={header}"], build_directory=str(folder),
+                       is_python_module=False, verbose=False)
 
 
 def available() -> bool:
@@ -62,7 +66,8 @@ def available() -> bool:
                     _build()
                     _STATE.update(ok=all(hasattr(torch.ops.kvzip, op) for op in OPS), why="")
                 except Exception as exc:  # a missing compiler or header: the reference path still works
-                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+                    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+                    first = next((x for x in lines if "error" in x.lower()), lines[-1]).strip()[:200]
                     _STATE.update(ok=False, why=f"could not be built ({first})")
                     warnings.warn(f"kvzip: fused CPU kernels {_STATE['why']}; using the PyTorch path", stacklevel=2)
     return bool(_STATE["ok"])

@@ -27,6 +27,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 using at::Tensor;
@@ -48,43 +50,17 @@ struct Args {
   float* out;                                  // (B, H, G, d)
 };
 
-// Sixteen floats as one value (GCC vector extension): one AVX-512 register, two AVX2 ones. Channel loops over
-// whole vectors with the head size known at compile time keep a key and the accumulators in registers.
-typedef float vf __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+using kvzip_vec::hsum;
+using kvzip_vec::kLanes;
+using kvzip_vec::load;
+using kvzip_vec::load_as_float;
+using kvzip_vec::store;
+using kvzip_vec::vf;
 constexpr int64_t kMaxHead = 256;  // head sizes up to this, multiples of kLanes
 constexpr int64_t kMaxGroup = 32;  // query heads per KV head
 
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-template <typename scalar_t>
-inline vf load_as_float(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return load(p);
-  } else {
-    float tmp[kLanes];
-    for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
-    return load(tmp);
-  }
-}
-
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-
 inline const float* atom_at(const float* shared, const float* extra, int64_t offset, int64_t d) {
   return offset >= 0 ? shared + offset : extra + (-1 - offset) * d;
-}
-
-inline float hsum(vf v) {  // pairwise, in four shuffles and adds
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), -inf and anything below -87 giving 0: 2^n times a degree-7

@@ -31,19 +31,21 @@
 #include <numeric>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 using at::Tensor;
 
+using kvzip_vec::dot_rows;
+using kvzip_vec::hsum;
+using kvzip_vec::kLanes;
+using kvzip_vec::load;
+using kvzip_vec::store;
+using kvzip_vec::vf;
 constexpr int64_t kMaxSparsity = 64;
+constexpr int64_t kMaxHead = 256;
 constexpr float kDependent = 1e-6f;  // as kvzip.sparse.omp: a squared distance to the span below this adds nothing
-
-inline float dot(const float* a, const float* b, int64_t d) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += a[i] * b[i];
-  return acc;
-}
 
 // |c| as screen.pack_abs orders it: the float's bits with the low `low` bits replaced by the column, so that an
 // integer max picks the largest |c| and, on a near-tie, the higher column.
@@ -67,9 +69,19 @@ struct Pursuit {
   float *coef_out, *res_out;
 };
 
-void pursue_one(const Pursuit& p, int64_t v, std::vector<int64_t>& pool, std::vector<float>& pc,
-                std::vector<int32_t>& order, std::vector<char>& used) {
-  const int64_t d = p.d, s = p.steps;
+// Per-thread room: the pool's atom numbers, their correlations, the pool's atom vectors copied side by side (read at
+// every step, so they come from L1 rather than from the dictionary), the chosen atoms' vectors, a sort order.
+struct Room {
+  std::vector<int64_t> pool;
+  std::vector<float> pc, atoms, chosen;
+  std::vector<int32_t> order;
+  std::vector<char> used;
+};
+
+// One vector. NV: vectors of 16 channels per atom when known at compile time (d = 64: 4), else 0 (then d / 16).
+template <int64_t NV>
+void pursue_one(const Pursuit& p, int64_t v, Room& room) {
+  const int64_t d = p.d, s = p.steps, nv = NV ? NV : d / kLanes;
   const float* x = p.x + v * d;
   const float* c = p.corr + v * p.ntot;
   const int64_t* offsets = p.offsets + (v / p.per) * p.ntot;
@@ -80,6 +92,7 @@ void pursue_one(const Pursuit& p, int64_t v, std::vector<int64_t>& pool, std::ve
   int64_t* idx = p.idx_out + v * s;
   float* coef = p.coef_out + v * s;
   float* r = p.res_out + v * d;
+  int64_t* pool = room.pool.data();
 
   // the candidate pool, screened from the correlations
   const int64_t n = std::min(p.pool, p.ntot);
@@ -99,21 +112,25 @@ void pursue_one(const Pursuit& p, int64_t v, std::vector<int64_t>& pool, std::ve
       pool[g] = best & low;
     }
   } else {  // the exact n largest |c|
-    std::iota(order.begin(), order.begin() + p.ntot, 0);
-    std::partial_sort(order.begin(), order.begin() + n, order.begin() + p.ntot,
+    std::iota(room.order.begin(), room.order.begin() + p.ntot, 0);
+    std::partial_sort(room.order.begin(), room.order.begin() + n, room.order.begin() + p.ntot,
                       [&](int32_t a, int32_t b) { return std::fabs(c[a]) > std::fabs(c[b]); });
-    for (int64_t i = 0; i < n; ++i) pool[i] = order[i];
+    for (int64_t i = 0; i < n; ++i) pool[i] = room.order[i];
   }
+  float* pool_atoms = room.atoms.data();  // (n, d)
+  for (int64_t i = 0; i < n; ++i) std::memcpy(pool_atoms + i * d, atom(pool[i]), d * sizeof(float));
 
   // the chosen atoms' Cholesky factor L (L L^T = their Gram matrix), row by row, and b = their dots with x
   float L[kMaxSparsity][kMaxSparsity], b[kMaxSparsity], y[kMaxSparsity], a[kMaxSparsity];
   bool live[kMaxSparsity];
+  float* chosen = room.chosen.data();  // (s, d) the chosen atoms' vectors
   int64_t k = 0;
-  auto add = [&](int64_t number) {  // one more atom: its row of L, or dead when it adds nothing to the span
-    const float* u = atom(number);
-    float d2 = dot(u, u, d);
+  auto add = [&](int64_t number, const float* u) {  // one more atom: its row of L, or dead when it adds nothing
+    std::memcpy(chosen + k * d, u, d * sizeof(float));
+    u = chosen + k * d;
+    float d2 = dot_rows(u, u, nv);
     for (int64_t i = 0; i < k; ++i) {
-      float g = live[i] ? dot(atom(idx[i]), u, d) : 0.f;
+      float g = live[i] ? dot_rows(chosen + i * d, u, nv) : 0.f;
       for (int64_t j = 0; j < i; ++j) g -= L[i][j] * L[k][j];
       L[k][i] = live[i] ? g / L[i][i] : 0.f;
       d2 -= L[k][i] * L[k][i];
@@ -122,10 +139,11 @@ void pursue_one(const Pursuit& p, int64_t v, std::vector<int64_t>& pool, std::ve
     L[k][k] = live[k] ? std::sqrt(d2) : 1.f;
     if (!live[k])
       for (int64_t i = 0; i < k; ++i) L[k][i] = 0.f;
-    b[k] = live[k] ? dot(u, x, d) : 0.f;
+    b[k] = live[k] ? dot_rows(u, x, nv) : 0.f;
     idx[k] = number;
     ++k;
   };
+  vf res[NV ? NV : kMaxHead / kLanes];  // the residual, in registers when NV is known
   auto solve = [&]() {  // least squares over the chosen atoms, then the residual r = x - D a
     for (int64_t i = 0; i < k; ++i) {
       float t = b[i];
@@ -137,40 +155,42 @@ void pursue_one(const Pursuit& p, int64_t v, std::vector<int64_t>& pool, std::ve
       for (int64_t j = i + 1; j < k; ++j) t -= L[j][i] * a[j];
       a[i] = live[i] ? t / L[i][i] : 0.f;
     }
-    std::memcpy(r, x, d * sizeof(float));
-    for (int64_t i = 0; i < k; ++i) {
-      if (!live[i] || a[i] == 0.f) continue;
-      const float* u = atom(idx[i]);
-      const float ai = a[i];
-#pragma omp simd
-      for (int64_t e = 0; e < d; ++e) r[e] -= ai * u[e];
-    }
+    for (int64_t e = 0; e < nv; ++e) res[e] = load(x + e * kLanes);
+    for (int64_t i = 0; i < k; ++i)
+      if (live[i] && a[i] != 0.f)
+        for (int64_t e = 0; e < nv; ++e) res[e] -= a[i] * load(chosen + i * d + e * kLanes);
   };
-  for (int64_t i = 0; i < p.k0; ++i) add(p.chosen[v * p.k0 + i]);
+  for (int64_t i = 0; i < p.k0; ++i) add(p.chosen[v * p.k0 + i], atom(p.chosen[v * p.k0 + i]));
 
   // the pursuit on the pool: correlations with the residual, the largest (packed as screen's pursuit does) wins
+  float* pc = room.pc.data();
+  char* used = room.used.data();
   for (int64_t i = 0; i < n; ++i) pc[i] = c[pool[i]];
+  std::fill(used, used + n, 0);
   const int32_t plow = low_bits(n);
-  std::fill(used.begin(), used.end(), 0);
+  if (k == s) solve();
   while (k < s) {
     int32_t best = -1;
     int64_t at = 0;
     for (int64_t i = 0; i < n; ++i) {
-      if (used[i]) continue;
-      const int32_t q = packed(pc[i], static_cast<int32_t>(i), plow);
+      const int32_t q = used[i] ? -1 : packed(pc[i], static_cast<int32_t>(i), plow);
       if (q > best) {
         best = q;
         at = i;
       }
     }
-    used[at] = true;
-    add(pool[at]);
+    used[at] = 1;
+    add(pool[at], pool_atoms + at * d);
     solve();
     if (k < s)
-      for (int64_t i = 0; i < n; ++i)
-        if (!used[i]) pc[i] = dot(atom(pool[i]), r, d);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* u = pool_atoms + i * d;
+        vf acc = load(u) * res[0];
+        for (int64_t e = 1; e < nv; ++e) acc += load(u + e * kLanes) * res[e];
+        pc[i] = hsum(acc);
+      }
   }
-  if (p.k0 == s) solve();
+  for (int64_t e = 0; e < nv; ++e) store(r + e * kLanes, res[e]);
   for (int64_t i = 0; i < s; ++i) coef[i] = live[i] ? a[i] : 0.f;
 }
 
@@ -180,6 +200,8 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
   TORCH_CHECK(x.device().is_cpu(), "screen_pursue runs on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (M, d) float32");
   const int64_t M = x.size(0), d = x.size(1);
+  TORCH_CHECK(d % kLanes == 0 && d <= kMaxHead, "screen_pursue: vectors of up to ", kMaxHead, " channels in multiples of ",
+              kLanes);
   TORCH_CHECK(corr.dim() == 2 && corr.size(0) == M && corr.scalar_type() == at::kFloat && corr.is_contiguous(),
               "corr must be (M, Ntot) float32");
   const int64_t ntot = corr.size(1);
@@ -203,11 +225,15 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
             extra.data_ptr<float>(), offsets.data_ptr<int64_t>(), chosen.data_ptr<int64_t>(), idx.data_ptr<int64_t>(),
             coef.data_ptr<float>(), res.data_ptr<float>()};
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> pool_atoms(std::min(pool, ntot));
-    std::vector<float> pc(std::min(pool, ntot));
-    std::vector<int32_t> order(ntot);
-    std::vector<char> used(std::min(pool, ntot));
-    for (int64_t v = begin; v < end; ++v) pursue_one(p, v, pool_atoms, pc, order, used);
+    const int64_t n = std::min(pool, ntot);
+    Room room{std::vector<int64_t>(n), std::vector<float>(n), std::vector<float>(n * d), std::vector<float>(steps * d),
+              std::vector<int32_t>(ntot), std::vector<char>(n)};
+    for (int64_t v = begin; v < end; ++v) {
+      if (d == 64)
+        pursue_one<4>(p, v, room);
+      else
+        pursue_one<0>(p, v, room);
+    }
   });
   return {idx, coef, res};
 }
