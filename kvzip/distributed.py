@@ -87,13 +87,18 @@ def start(world: World, device: str) -> None:
     dist.init_process_group(backend, timeout=TIMEOUT)
 
 
-def finish(world: World) -> None:
-    """Leave the process group, so that no rank exits with collectives pending."""
+def finish(world: World, together: bool = True) -> None:
+    """Leave the process group, so that no rank exits with collectives pending. `together` (a job that ended well):
+    first wait until every rank is here, so that no rank tears the group down while another still uses it (seen as
+    "terminate called without an active exception" in a rank that left first, one run in three); after an error
+    each rank leaves at once."""
     if world.size == 1:
         return
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if together:
+            wait_all(world)
         dist.destroy_process_group()
 
 

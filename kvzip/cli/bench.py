@@ -159,8 +159,10 @@ def bench(
                      plot_path=plot_path, model=model, dict_path=dict_path, device=device, dtype=dtype, resume=resume)
         job = distributed.agree(world, lambda: _check(world, **flags), cli_words)
         _run(job, world, model, dtype, trust_remote_code)
-    finally:
-        distributed.finish(world)
+    except BaseException:
+        distributed.finish(world, together=False)
+        raise
+    distributed.finish(world)
 
 
 def _check(world, quick, methods, opt, method_set, workloads, output_tokens, rows, contexts, prompts, new_tokens,

@@ -78,8 +78,10 @@ def generate(
                        trust_remote_code=trust_remote_code)
         job = distributed.agree(world, lambda: check_job(spec, world), cli_words)
         _run(spec, job, world)
-    finally:
-        distributed.finish(world)
+    except BaseException:
+        distributed.finish(world, together=False)
+        raise
+    distributed.finish(world)
 
 
 def _run(spec: JobSpec, job, world) -> None:

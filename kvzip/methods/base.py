@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvzip.errors import UserError
+from kvzip.methods.options import check_choice, check_positive, convert_option, model_layout  # noqa: F401  (re-exported)
 from kvzip.rope import full_tokens
 
 TIERS = ("device", "codes", "dictionary", "host")
@@ -245,9 +246,13 @@ class DenseLayer(KVLayer):
         q = key_states.shape[2]
         self.extend("keys", key_states.to(self.keys.dtype))
         self.extend("values", value_states.to(self.values.dtype))
-        self.extend("positions", torch.arange(self.seen, self.seen + q, device=self.device).expand(self.batch, q))
+        self.extend("positions", self.new_positions(q))
         self.seen += q
         return self.keys, self.values
+
+    def new_positions(self, q: int) -> torch.Tensor:
+        """The positions of q new tokens, laid out as `positions` is: (B, q) here, one position set per row."""
+        return torch.arange(self.seen, self.seen + q, device=self.device).expand(self.batch, q)
 
 
 class KVCache(Cache):
@@ -354,7 +359,7 @@ class Method:
             if key not in fields:
                 allowed = ", ".join(f"{k} (default {f.default})" for k, f in fields.items()) or "none"
                 raise UserError(f"method '{cls.name}' has no option '{key}'; its options: {allowed}")
-            kwargs[key] = _convert(raw, hints[key], f"{cls.name}.{key}")
+            kwargs[key] = convert_option(raw, hints[key], f"{cls.name}.{key}")
         try:
             return cls(**kwargs)
         except ValueError as exc:
@@ -362,37 +367,3 @@ class Method:
 
     def describe(self) -> dict:
         return {"method": self.name, "options": dataclasses.asdict(self)}
-
-
-def _convert(raw: str, kind, label: str):
-    try:
-        if kind is bool:
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if kind in (int, float, str):
-            return kind(raw)
-    except ValueError:
-        raise UserError(f"option {label}={raw!r} is not a valid {kind.__name__}") from None
-    raise UserError(f"option {label} has an unsupported type {kind}")
-
-
-def check_choice(name: str, value, allowed) -> None:
-    """Raise ValueError naming the allowed values (the error style of transformers' cache options)."""
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed; use one of: {', '.join(map(str, allowed))}")
-
-
-def check_positive(**values) -> None:
-    for name, value in values.items():
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
-
-
-def model_layout(model) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a transformers causal LM."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim

@@ -110,16 +110,9 @@ class RKVLayer(WindowLayer):
         super().lazy_initialization(key_states, value_states)
         self.positions = torch.zeros(self.batch, self.kv_heads, 0, dtype=torch.long, device=self.device)
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[2]
-        self.extend("keys", key_states.to(self.keys.dtype))
-        self.extend("values", value_states.to(self.values.dtype))
-        new = torch.arange(self.seen, self.seen + q, device=self.device)
-        self.extend("positions", new.expand(self.batch, self.kv_heads, q))
-        self.seen += q
-        return self.keys, self.values
+    def new_positions(self, q: int) -> torch.Tensor:
+        """(B, H, q): every head keeps its own tokens, so positions are per head."""
+        return torch.arange(self.seen, self.seen + q, device=self.device).expand(self.batch, self.kv_heads, q)
 
     def attend(self, module, query, key, value, mask, scaling):
         b, hq, q, d = query.shape
