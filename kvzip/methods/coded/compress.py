@@ -75,9 +75,26 @@ def store_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch
         kind.codes.append(idx, coef, layer.cfg.coef_format)
     layer.coded_pos = torch.cat([layer.coded_pos, holed(layer.positions, [code for code, _ in plan])], 1)
     compact_codes(layer)
-    index, valid = left_holed([keep for _, keep in plan])  # (B, S') gather index and which entries are real
-    layer.keys, layer.values = gather_tokens(layer.keys, index), gather_tokens(layer.values, index)
-    layer.positions = layer.positions.gather(1, index).masked_fill(~valid, -1)
+    keeps = [keep for _, keep in plan]
+    index, valid = left_holed(keeps)  # (B, S') gather index and which entries are real
+    width, new_width = layer.positions.shape[1], index.shape[1]
+    # A row whose kept columns are already its last ones (every row that coded nothing, the common case when rows
+    # code on their own schedules) stays where it is: the tier loses its first columns as a view, and only the other
+    # rows are gathered and written into it.
+    moved = [b for b, keep in enumerate(keeps) if not (len(keep) and int(keep[0]) == width - len(keep)
+                                                       and int(keep[-1]) == width - 1)]
+    if len(moved) * 2 > len(keeps):
+        layer.keys, layer.values = gather_tokens(layer.keys, index), gather_tokens(layer.values, index)
+        layer.positions = layer.positions.gather(1, index).masked_fill(~valid, -1)
+        return
+    rows = torch.tensor(moved, dtype=torch.long, device=index.device)
+    gathered = [gather_tokens(t.index_select(0, rows), index.index_select(0, rows)) for t in (layer.keys, layer.values)]
+    positions = layer.positions.gather(1, index).masked_fill(~valid, -1)
+    drop = width - new_width
+    layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
+    if moved:
+        layer.keys[rows], layer.values[rows] = gathered
+    layer.positions = positions
 
 
 def compact_codes(layer: "FadkvLayer") -> None:
