@@ -299,11 +299,14 @@ def test_left_padded_row_decodes_like_the_row_alone(tiny, tokenizer, tiny_dictio
 
 def test_rows_out_of_phase_keep_the_coded_tier_as_wide_as_the_fullest_row(tiny, tokenizer, tiny_dictionaries):
     """Rows of different prompt lengths code on their own schedules; the holes each compress leaves in the rows that
-    coded less are compacted, so the coded tier never grows past the row with the most coded tokens."""
+    coded less are filled by that row's next codes, so the coded tier never grows past the row with the most coded
+    tokens, and every row stays right-aligned and in order."""
     prompts = [tokenizer("x" * n)["input_ids"] for n in (3, 7, 12, 18)]
     cache = get_method("fadkv", SMALL).make_cache(tiny, tiny_dictionaries)
     events = list(engine.generate(tiny, tokenizer, prompts, cache, engine.Settings(max_new_tokens=80, ignore_eos=True)))
     for layer in cache.layers:
         real = (layer.coded_pos >= 0).sum(1)
         assert layer.coded_pos.shape[1] == int(real.max()) and int(real.min()) > 0
+        for row, n in zip(layer.coded_pos, real.tolist()):  # holes in front, then the row's tokens in order
+            assert bool((row[: len(row) - n] == -1).all()) and bool((row[len(row) - n :].diff() > 0).all())
     assert events[-1].stats["kv_bytes_peak"] < events[-1].stats["kv_bytes_full"]

@@ -36,14 +36,15 @@ using at::Tensor;
 struct Args {
   int64_t B, H, G, d, T, S, s_k, s_v, k_ntot, v_ntot, rope_dim;
   const float* q;                              // (B, H, G, d) scaled, model channel order
-  const void *k_idx, *k_coef, *v_idx, *v_coef;  // (B, H, T, s)
+  const void *k_idx, *k_coef, *v_idx, *v_coef;  // (B, H, T, s), a token's s entries contiguous
   const at::Half *k_scale, *v_scale;           // (B, H, T) or null
+  int64_t kc_b, kc_h, ks_b, ks_h, vc_b, vc_h, vs_b, vs_h, cp_b;  // row and head strides: codes, scales, coded_pos
   const float *k_shared, *v_shared;            // the shared atoms, rows of d found by offset
   const float *k_extra, *v_extra;              // (E, d) the zero row and every row's own atoms
   const int64_t *k_offsets, *v_offsets;        // (B, Ntot) where each atom number is (atom_offsets)
   const float* key_mean;                       // (H, d) or null
   const float* rope_cs;                        // (P, 2, rope_dim / 2) scaled cos, then sin, by position, or null
-  const int64_t* coded_pos;                    // (B, T)
+  const int64_t* coded_pos;                    // (B, T), row stride cp_b
   const void *dense_k, *dense_v;               // (B, H, S, d), channels contiguous, strides below
   int64_t ds_b, ds_h, ds_s;                    // the dense tier's strides (a view of spare room, not compact)
   const bool* allowed;                         // (B, T + S)
@@ -95,9 +96,9 @@ void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vect
   for (int64_t g = 0; g < G; ++g)
     for (int64_t v = 0; v < nv; ++v) q[g][v] = load(a.q + (bh * G + g) * d + v * kLanes);
   const bool* ok = a.allowed + b * W;
-  const idx_t* k_idx = static_cast<const idx_t*>(a.k_idx) + bh * a.T * a.s_k;
-  const coef_t* k_coef = static_cast<const coef_t*>(a.k_coef) + bh * a.T * a.s_k;
-  const at::Half* k_scale = a.k_scale ? a.k_scale + bh * a.T : nullptr;
+  const idx_t* k_idx = static_cast<const idx_t*>(a.k_idx) + b * a.kc_b + h * a.kc_h;
+  const coef_t* k_coef = static_cast<const coef_t*>(a.k_coef) + b * a.kc_b + h * a.kc_h;
+  const at::Half* k_scale = a.k_scale ? a.k_scale + b * a.ks_b + h * a.ks_h : nullptr;
   const int64_t* k_offsets = a.k_offsets + b * a.k_ntot;
   const float* mean = a.key_mean ? a.key_mean + h * d : nullptr;
 
@@ -118,7 +119,7 @@ void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vect
         const float* atom = atom_at(a.k_shared, a.k_extra, k_offsets[k_idx[t * a.s_k + j]], d);
         for (int64_t v = 0; v < nv; ++v) k[v] += c * load(atom + v * kLanes);
       }
-      const float* cos = a.rope_cs + a.coded_pos[b * a.T + t] * 2 * half;  // RoPE at the token's position:
+      const float* cos = a.rope_cs + a.coded_pos[b * a.cp_b + t] * 2 * half;  // RoPE at the token's position:
       const float* sin = cos + half;                                          // channel i turns with i + half
       if (whole) {
         for (int64_t v = 0; v < half / kLanes; ++v) {
@@ -219,9 +220,9 @@ void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vect
       for (int64_t v = 0; v < nv; ++v) out[g][v] += wt * x[v];
     }
   }
-  const idx_t* v_idx = static_cast<const idx_t*>(a.v_idx) + bh * a.T * a.s_v;
-  const coef_t* v_coef = static_cast<const coef_t*>(a.v_coef) + bh * a.T * a.s_v;
-  const at::Half* v_scale = a.v_scale ? a.v_scale + bh * a.T : nullptr;
+  const idx_t* v_idx = static_cast<const idx_t*>(a.v_idx) + b * a.vc_b + h * a.vc_h;
+  const coef_t* v_coef = static_cast<const coef_t*>(a.v_coef) + b * a.vc_b + h * a.vc_h;
+  const at::Half* v_scale = a.v_scale ? a.v_scale + b * a.vs_b + h * a.vs_h : nullptr;
   const int64_t* v_offsets = a.v_offsets + b * a.v_ntot;
   std::fill(acc.begin(), acc.begin() + G * a.v_ntot, 0.f);
   for (int64_t t = 0; t < a.T; ++t) {
@@ -283,12 +284,14 @@ void check_codes(const Tensor& idx, const Tensor& coef, const std::optional<Tens
                  const char* kind) {
   TORCH_CHECK(idx.dim() == 4 && idx.size(0) == B && idx.size(1) == H && idx.size(2) == T, kind,
               " codes must be (B, H, T, s)");
-  TORCH_CHECK(coef.sizes() == idx.sizes() && idx.is_contiguous() && coef.is_contiguous(), kind,
-              " coefficients must match the codes, both contiguous");
+  TORCH_CHECK(coef.sizes() == idx.sizes() && coef.strides() == idx.strides() && idx.stride(3) == 1 &&
+                  idx.stride(2) == idx.size(3),
+              kind, " coefficients must match the codes in shape and strides, each token's entries contiguous");
   TORCH_CHECK(idx.scalar_type() == at::kShort || idx.scalar_type() == at::kInt, kind, " codes must be int16 or int32");
   if (scale.has_value()) {
-    TORCH_CHECK(scale->scalar_type() == at::kHalf && scale->is_contiguous() && scale->numel() == B * H * T, kind,
-                " scales must be float16 (B, H, T, 1), contiguous");
+    TORCH_CHECK(scale->scalar_type() == at::kHalf && scale->dim() == 4 && scale->size(0) == B &&
+                    scale->size(1) == H && scale->size(2) == T && scale->size(3) == 1 && scale->stride(2) == 1,
+                kind, " scales must be float16 (B, H, T, 1), tokens contiguous");
   } else {
     TORCH_CHECK(coef.scalar_type() == at::kHalf, kind, " int8 coefficients need their scales");
   }
@@ -323,8 +326,9 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
                   dense_k.stride(3) == 1 && dense_k.scalar_type() == dense_v.scalar_type(),
               "dense keys and values must be (B, H, S, d) of one dtype and layout, channels contiguous");
   const int64_t S = dense_k.size(2);
-  TORCH_CHECK(coded_pos.scalar_type() == at::kLong && coded_pos.is_contiguous() && coded_pos.numel() == B * T,
-              "coded_pos must be (B, T) int64");
+  TORCH_CHECK(coded_pos.scalar_type() == at::kLong && coded_pos.dim() == 2 && coded_pos.size(0) == B &&
+                  coded_pos.size(1) == T && coded_pos.stride(1) == 1,
+              "coded_pos must be (B, T) int64, tokens contiguous");
   TORCH_CHECK(allowed.scalar_type() == at::kBool && allowed.is_contiguous() && allowed.numel() == B * (T + S),
               "allowed must be (B, T + S) bool");
   int64_t rope_dim = 0;
@@ -345,6 +349,9 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
   Args a{B, H, G, d, T, S, k_idx.size(3), v_idx.size(3), k_offsets.size(1), v_offsets.size(1), rope_dim,
          q.data_ptr<float>(), k_idx.data_ptr(), k_coef.data_ptr(), v_idx.data_ptr(), v_coef.data_ptr(),
          k_scale ? k_scale->data_ptr<at::Half>() : nullptr, v_scale ? v_scale->data_ptr<at::Half>() : nullptr,
+         k_idx.stride(0), k_idx.stride(1), k_scale ? k_scale->stride(0) : 0, k_scale ? k_scale->stride(1) : 0,
+         v_idx.stride(0), v_idx.stride(1), v_scale ? v_scale->stride(0) : 0, v_scale ? v_scale->stride(1) : 0,
+         coded_pos.stride(0),
          k_shared.data_ptr<float>(), v_shared.data_ptr<float>(), k_extra.data_ptr<float>(), v_extra.data_ptr<float>(),
          k_offsets.data_ptr<int64_t>(), v_offsets.data_ptr<int64_t>(),
          key_mean ? key_mean->data_ptr<float>() : nullptr, rope_cs ? rope_cs->data_ptr<float>() : nullptr,

@@ -20,6 +20,7 @@ transformers' own quantized layers (the peers) included, satisfies `CacheLayer`:
 from __future__ import annotations
 
 import dataclasses
+import operator
 import typing
 from dataclasses import dataclass
 
@@ -163,11 +164,20 @@ class DenseLayer(KVLayer):
     def _token_axis(x: torch.Tensor) -> int:
         return 2 if x.dim() == 4 else 1  # keys, values (B, H, S, d); positions (B, S)
 
+    def _get(self, name: str) -> torch.Tensor:
+        """The tensor `extend` and `prepend` work on: an attribute of the layer, or of an object it holds (a dotted
+        name, e.g. fadkv's `coded_keys.codes.idx`)."""
+        return operator.attrgetter(name)(self)
+
+    def _set(self, name: str, value: torch.Tensor) -> None:
+        holder, _, attr = name.rpartition(".")
+        setattr(operator.attrgetter(holder)(self) if holder else self, attr, value)
+
     def _backing(self, name: str) -> tuple[torch.Tensor | None, int]:
         """The room behind attribute `name` and where along the token axis the attribute starts in it, when the
         attribute is a run of whole token slots of that room (a leading view, or one a slice dropped the front of);
         else (None, 0)."""
-        cur, room = getattr(self, name), self.room.get(name)
+        cur, room = self._get(name), self.room.get(name)
         if room is None or cur.untyped_storage().data_ptr() != room.untyped_storage().data_ptr() \
                 or cur.stride() != room.stride():
             return None, 0
@@ -181,7 +191,7 @@ class DenseLayer(KVLayer):
     def extend(self, name: str, new: torch.Tensor) -> torch.Tensor:
         """Attribute `name` with `new` appended along the token axis, written into its room's spare slots; when
         none are left, new room is allocated for the stored tokens, the new ones and `SPARE` or 1/16 more."""
-        cur = getattr(self, name)
+        cur = self._get(name)
         dim = self._token_axis(cur)
         n, q = cur.shape[dim], new.shape[dim]
         last = self.appended.get(name)
@@ -197,7 +207,7 @@ class DenseLayer(KVLayer):
             self.room[name] = room
         room.narrow(dim, start + n, q).copy_(new)
         view = room.narrow(dim, start, n + q)
-        setattr(self, name, view)
+        self._set(name, view)
         self.appended[name] = (view, start)
         return view
 
@@ -205,7 +215,7 @@ class DenseLayer(KVLayer):
         """Attribute `name` with `count` slots set to `fill` put in front, written into spare room before it when
         there is some; else new room is allocated with `SPARE` or 1/16 spare on both sides (a buffer that widens on
         the left, as zoomr's does when a rebuilt row outgrows it, then stays in place for the appends that follow)."""
-        cur = getattr(self, name)
+        cur = self._get(name)
         dim = self._token_axis(cur)
         n = cur.shape[dim]
         last = self.appended.get(name)
@@ -219,7 +229,7 @@ class DenseLayer(KVLayer):
             self.room[name] = room
         view = room.narrow(dim, start - count, n + count)
         view.narrow(dim, 0, count).fill_(fill)
-        setattr(self, name, view)
+        self._set(name, view)
         self.appended[name] = (view, start - count)
         return view
 

@@ -17,6 +17,7 @@ import torch
 from kvzip.attention import gather_tokens
 from kvzip.methods.coded.coding import CodingStats, code_kinds, left_holed
 from kvzip.rope import phasors, to_pairs, turn_pairs
+from kvzip.sparse.attention import quantize
 
 if typing.TYPE_CHECKING:
     from kvzip.methods.fadkv import FadkvLayer
@@ -71,10 +72,7 @@ def coding_vectors(layer: "FadkvLayer", plan, rows: list[int], width: int) -> tu
 def store_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Keep the codes (idx, coef (B, H, width, s) for keys, then values) of the plan's tokens and drop those
     tokens from the dense tier. Rows stay rectangular by holes (position -1, masked) at the front of each tier."""
-    for kind, (idx, coef) in zip(layer.kinds, codes):
-        kind.codes.append(idx, coef, layer.cfg.coef_format)
-    layer.coded_pos = torch.cat([layer.coded_pos, holed(layer.positions, [code for code, _ in plan])], 1)
-    compact_codes(layer)
+    push_codes(layer, plan, codes)
     keeps = [keep for _, keep in plan]
     index, valid = left_holed(keeps)  # (B, S') gather index and which entries are real
     width, new_width = layer.positions.shape[1], index.shape[1]
@@ -97,18 +95,35 @@ def store_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch
     layer.positions = positions
 
 
-def compact_codes(layer: "FadkvLayer") -> None:
-    """Each row's real coded tokens right-aligned, holes in front, the tier as wide as its fullest row. Rows of a
-    batch code on their own schedules, so each compress leaves holes in the rows that coded less; without this
-    they would pile up, a chunk's width per row out of phase (8 rows: the coded tier 1.5x a full cache)."""
-    real = layer.coded_pos >= 0  # (B, T)
-    width = int(real.sum(1).max())
-    if width == real.shape[1]:
-        return
-    index, valid = left_holed([row.nonzero().squeeze(-1) for row in real])  # (B, width)
-    for kind in layer.kinds:
-        kind.codes.gather(index)
-    layer.coded_pos = layer.coded_pos.gather(1, index).masked_fill(~valid, -1)
+def push_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The plan's new codes after each row's coded tokens. The coded tier keeps every row right-aligned, holes in
+    front, as wide as its fullest row: a row that codes c tokens moves its own codes c columns to the left (into its
+    holes) and writes the new ones at the end, so the rows that coded nothing are not touched; the tier widens (into
+    spare room in front, `DenseLayer.prepend`) only when a row outgrows it. Rows that code the same count move
+    together."""
+    counts = [len(code) for code, _ in plan]
+    real = (layer.coded_pos >= 0).sum(1).tolist()
+    width = layer.coded_pos.shape[1]
+    need = max(n + c for n, c in zip(real, counts))
+    names = ["coded_pos"] + [f"{kind}.codes.{part}" for kind in ("coded_keys", "coded_values")
+                             for part in ("idx", "stored", "scale")]
+    stored = [quantize(coef, layer.cfg.coef_format) for _, coef in codes]  # (stored, scale) per kind
+    if need > width:
+        for name in names:
+            if layer._get(name) is not None:
+                layer.prepend(name, need - width, -1 if name == "coded_pos" else 0)
+        width = need
+    new_pos = holed(layer.positions, [code for code, _ in plan])  # (B, c_max)
+    fresh = [new_pos] + [x for (idx, _), (st, sc) in zip(codes, stored) for x in (idx, st, sc)]
+    for c in sorted(set(counts) - {0}):
+        rows = torch.tensor([b for b, n in enumerate(counts) if n == c], device=new_pos.device)
+        for name, new in zip(names, fresh):
+            x = layer._get(name)
+            if x is None:
+                continue
+            dim = layer._token_axis(x)
+            moved = x.index_select(0, rows).narrow(dim, c, width - c)
+            x[rows] = torch.cat([moved, new.index_select(0, rows).narrow(dim, new.shape[dim] - c, c).to(x.dtype)], dim)
 
 
 def holed(pos: torch.Tensor, cols: list[torch.Tensor]) -> torch.Tensor:

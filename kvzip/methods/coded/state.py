@@ -67,27 +67,13 @@ class Overlay:
 @dataclass
 class Codes:
     """Coded tokens: idx (B, H, T, s) atom numbers (int16, or int32 for very large dictionaries), stored (B, H, T, s)
-    coefficients in the layer's coefficient format, scale (B, H, T, 1) fp16 per vector (None for fp16 coefficients)."""
+    coefficients in the layer's coefficient format, scale (B, H, T, 1) fp16 per vector (None for fp16 coefficients).
+    Views of room with spare columns in front (`kvzip.methods.coded.compress.push_codes`): each token's s entries
+    are contiguous, the row and head strides are the room's."""
 
     idx: torch.Tensor
     stored: torch.Tensor
     scale: torch.Tensor | None
-
-    def append(self, idx: torch.Tensor, coef: torch.Tensor, coef_format: str) -> None:
-        """New codes (B, H, T', s) after the old ones, coefficients stored as `coef_format` says."""
-        stored, scale = coded.quantize(coef, coef_format)
-        self.idx = torch.cat([self.idx, idx.to(self.idx.dtype)], 2)
-        self.stored = torch.cat([self.stored, stored], 2)
-        self.scale = None if scale is None else torch.cat([self.scale, scale], 2)
-
-    def gather(self, index: torch.Tensor) -> None:
-        """Per row, the coded tokens at `index` (B, T'), e.g. each row's real ones right-aligned; the caller marks
-        the filler entries as holes by position, so their contents are never read."""
-        def pick(x):
-            return x.gather(2, index[:, None, :, None].expand(x.shape[0], x.shape[1], index.shape[1], x.shape[3]))
-
-        self.idx, self.stored = pick(self.idx), pick(self.stored)
-        self.scale = None if self.scale is None else pick(self.scale)
 
     def keep(self, columns: torch.Tensor) -> None:
         """Only the coded tokens at `columns` (T',) stay."""
