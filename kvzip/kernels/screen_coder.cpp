@@ -11,7 +11,8 @@
 // `screen_pursue(x, corr, shared, extra, offsets, per, chosen, pool, steps, top) -> (idx, coef, residual)`:
 //   x (M, d) fp32 vectors, group-major: vector v is coded with group v / per's atoms, atom a being found by
 //   offsets[v / per, a]: an element offset into the shared atoms when >= 0, else row -1 - offset of `extra` (the
-//   rows' own atoms; kvzip.sparse.atoms.atom_offsets); corr (M, Ntot) the residual's correlations with every atom; chosen
+//   rows' own atoms; kvzip.sparse.atoms.atom_offsets); corr (M, Ntot) the residual's correlations with every atom
+//   (float32, or bfloat16 where the model computes in it: they only screen the pool and rank its first pick); chosen
 //   (M, k0) atoms a first shot already picked (k0 may be 0), kept out of the pool; pool: candidates to screen;
 //   steps: atoms in the code when done. The pool is `champions` (the largest |corr| of each of `pool` contiguous
 //   groups of atoms, compared as screen.champions packs them) unless `top` (the exact `pool` largest). Returns the
@@ -29,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -62,7 +64,9 @@ inline int32_t low_bits(int64_t columns) {  // (1 << bit_length(columns - 1)) - 
 struct Pursuit {
   int64_t d, ntot, per, k0, pool, steps;
   bool top;
-  const float *x, *corr, *shared, *extra;
+  const float* x;
+  const void* corr;  // (M, Ntot) float32 or bfloat16
+  const float *shared, *extra;
   const int64_t* offsets;
   const int64_t* chosen;
   int64_t *idx_out;
@@ -78,12 +82,18 @@ struct Room {
   std::vector<char> used;
 };
 
+// A correlation's value, and its float bits (a bfloat16 is a float's upper half).
+inline float corr_value(float c) { return c; }
+inline float corr_value(at::BFloat16 c) { return static_cast<float>(c); }
+inline int32_t corr_bits(float c) { return std::bit_cast<int32_t>(c); }
+inline int32_t corr_bits(at::BFloat16 c) { return static_cast<int32_t>(c.x) << 16; }
+
 // One vector. NV: vectors of 16 channels per atom when known at compile time (d = 64: 4), else 0 (then d / 16).
-template <int64_t NV>
+template <int64_t NV, typename corr_t>
 void pursue_one(const Pursuit& p, int64_t v, Room& room) {
   const int64_t d = p.d, s = p.steps, nv = NV ? NV : d / kLanes;
   const float* x = p.x + v * d;
-  const float* c = p.corr + v * p.ntot;
+  const corr_t* c = static_cast<const corr_t*>(p.corr) + v * p.ntot;
   const int64_t* offsets = p.offsets + (v / p.per) * p.ntot;
   auto atom = [&](int64_t a) {
     const int64_t o = offsets[a];
@@ -100,13 +110,12 @@ void pursue_one(const Pursuit& p, int64_t v, Room& room) {
     const int32_t low = low_bits(p.ntot);
     const int64_t width = p.ntot / n;
     const int32_t keep = 0x7FFFFFFF & ~low;
-    const int32_t* bits = reinterpret_cast<const int32_t*>(c);
     for (int64_t g = 0; g < n; ++g) {
       int32_t best = 0;
       const int32_t first = static_cast<int32_t>(g * width);
 #pragma omp simd reduction(max : best)
       for (int32_t a = first; a < first + static_cast<int32_t>(width); ++a) {
-        const int32_t q = (bits[a] & keep) | a;
+        const int32_t q = (corr_bits(c[a]) & keep) | a;
         best = q > best ? q : best;
       }
       pool[g] = best & low;
@@ -114,7 +123,7 @@ void pursue_one(const Pursuit& p, int64_t v, Room& room) {
   } else {  // the exact n largest |c|
     std::iota(room.order.begin(), room.order.begin() + p.ntot, 0);
     std::partial_sort(room.order.begin(), room.order.begin() + n, room.order.begin() + p.ntot,
-                      [&](int32_t a, int32_t b) { return std::fabs(c[a]) > std::fabs(c[b]); });
+                      [&](int32_t a, int32_t b) { return std::fabs(corr_value(c[a])) > std::fabs(corr_value(c[b])); });
     for (int64_t i = 0; i < n; ++i) pool[i] = room.order[i];
   }
   float* pool_atoms = room.atoms.data();  // (n, d)
@@ -165,10 +174,23 @@ void pursue_one(const Pursuit& p, int64_t v, Room& room) {
   // the pursuit on the pool: correlations with the residual, the largest (packed as screen's pursuit does) wins
   float* pc = room.pc.data();
   char* used = room.used.data();
-  for (int64_t i = 0; i < n; ++i) pc[i] = c[pool[i]];
   std::fill(used, used + n, 0);
   const int32_t plow = low_bits(n);
-  if (k == s) solve();
+  auto correlate = [&]() {  // the pool's correlations with the residual
+    for (int64_t i = 0; i < n; ++i) {
+      const float* u = pool_atoms + i * d;
+      vf acc = load(u) * res[0];
+      for (int64_t e = 1; e < nv; ++e) acc += load(u + e * kLanes) * res[e];
+      pc[i] = hsum(acc);
+    }
+  };
+  if (std::is_same_v<corr_t, float>) {  // fp32 correlations are exact: the pool's are read from them
+    for (int64_t i = 0; i < n; ++i) pc[i] = corr_value(c[pool[i]]);
+    if (k == s) solve();
+  } else {  // bfloat16 ones only screened the pool: its correlations are computed from the residual in fp32
+    solve();
+    correlate();
+  }
   while (k < s) {
     int32_t best = -1;
     int64_t at = 0;
@@ -182,13 +204,7 @@ void pursue_one(const Pursuit& p, int64_t v, Room& room) {
     used[at] = 1;
     add(pool[at], pool_atoms + at * d);
     solve();
-    if (k < s)
-      for (int64_t i = 0; i < n; ++i) {
-        const float* u = pool_atoms + i * d;
-        vf acc = load(u) * res[0];
-        for (int64_t e = 1; e < nv; ++e) acc += load(u + e * kLanes) * res[e];
-        pc[i] = hsum(acc);
-      }
+    if (k < s) correlate();
   }
   for (int64_t e = 0; e < nv; ++e) store(r + e * kLanes, res[e]);
   for (int64_t i = 0; i < s; ++i) coef[i] = live[i] ? a[i] : 0.f;
@@ -202,8 +218,10 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
   const int64_t M = x.size(0), d = x.size(1);
   TORCH_CHECK(d % kLanes == 0 && d <= kMaxHead, "screen_pursue: vectors of up to ", kMaxHead, " channels in multiples of ",
               kLanes);
-  TORCH_CHECK(corr.dim() == 2 && corr.size(0) == M && corr.scalar_type() == at::kFloat && corr.is_contiguous(),
-              "corr must be (M, Ntot) float32");
+  const bool half = corr.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(corr.dim() == 2 && corr.size(0) == M && (half || corr.scalar_type() == at::kFloat) &&
+                  corr.is_contiguous(),
+              "corr must be (M, Ntot) float32 or bfloat16");
   const int64_t ntot = corr.size(1);
   TORCH_CHECK(shared.scalar_type() == at::kFloat && shared.size(-1) == d && shared.stride(-1) == 1,
               "shared atoms must be float32 rows of d");
@@ -221,7 +239,7 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
   auto idx = at::empty({M, steps}, x.options().dtype(at::kLong));
   auto coef = at::empty({M, steps}, x.options());
   auto res = at::empty({M, d}, x.options());
-  Pursuit p{d, ntot, per, k0, pool, steps, top, x.data_ptr<float>(), corr.data_ptr<float>(), shared.data_ptr<float>(),
+  Pursuit p{d, ntot, per, k0, pool, steps, top, x.data_ptr<float>(), corr.data_ptr(), shared.data_ptr<float>(),
             extra.data_ptr<float>(), offsets.data_ptr<int64_t>(), chosen.data_ptr<int64_t>(), idx.data_ptr<int64_t>(),
             coef.data_ptr<float>(), res.data_ptr<float>()};
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
@@ -229,10 +247,10 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
     Room room{std::vector<int64_t>(n), std::vector<float>(n), std::vector<float>(n * d), std::vector<float>(steps * d),
               std::vector<int32_t>(ntot), std::vector<char>(n)};
     for (int64_t v = begin; v < end; ++v) {
-      if (d == 64)
-        pursue_one<4>(p, v, room);
+      if (half)
+        d == 64 ? pursue_one<4, at::BFloat16>(p, v, room) : pursue_one<0, at::BFloat16>(p, v, room);
       else
-        pursue_one<0>(p, v, room);
+        d == 64 ? pursue_one<4, float>(p, v, room) : pursue_one<0, float>(p, v, room);
     }
   });
   return {idx, coef, res};

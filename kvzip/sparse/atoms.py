@@ -61,8 +61,9 @@ class Grouped:
     entries that involve an overlay atom are dot products."""
 
     def __init__(self, atoms: torch.Tensor, ids: torch.Tensor, vectors: torch.Tensor, size: int, grams: torch.Tensor,
-                 slots: torch.Tensor):
+                 slots: torch.Tensor, low: torch.Tensor | None = None):
         L, N, d = atoms.shape
+        self.low = low  # the shared atoms in bfloat16 (L, N, d): correlations in bfloat16 when given
         _, B, R = ids.shape
         self.atoms, self.groups, self.size, self.n = atoms.float(), L * B, size, N
         self.ids = ids.reshape(L * B, R)
@@ -112,14 +113,18 @@ class Grouped:
         return self.index[self._group(a.shape[0], a.device)[:, None], a]
 
     def correlations(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x (G, m, d) -> (G·m, size): each group's vectors against each of its atoms."""
+        """x (G, m, d) -> (G·m, size): each group's vectors against each of its atoms; in bfloat16 where the
+        Grouped has `low` atoms (they only screen pools and rank a pool's first pick: every coefficient and residual
+        is computed from the vectors in fp32)."""
         G, m, d = x.shape
         L, N, B = self.atoms.shape[0], self.n, self.per_layer
-        c = torch.bmm(x.reshape(L, B * m, d), self.atoms.transpose(1, 2)).view(G, m, N)
+        atoms = self.atoms if self.low is None else self.low
+        x = x.to(atoms.dtype)
+        c = torch.bmm(x.reshape(L, B * m, d), atoms.transpose(1, 2)).view(G, m, N)
         if self.size > N:  # appended atoms: zero until an overlay fills them
             c = torch.cat([c, c.new_zeros(G, m, self.size - N)], 2)
         if self.ids.shape[1]:
-            over = torch.bmm(x, self.vectors.transpose(1, 2))  # (G, m, R)
+            over = torch.bmm(x, self.vectors.to(x.dtype).transpose(1, 2))  # (G, m, R)
             g, r = self.live
             c[g, :, self.ids[g, r]] = over[g, :, r]  # each live overlay atom's column
         return c.view(G * m, self.size)

@@ -65,14 +65,21 @@ def relative_error(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return residual.norm(dim=-1) / x.norm(dim=-1).clamp(min=NORM_EPS)
 
 
-def dictionaries(kinds: list[CodedKind], rows: torch.Tensor) -> Grouped:
-    """The atoms rows (B',) of each kind see, as one Grouped of len(kinds) x B' groups (kind-major)."""
+def dictionaries(kinds: list[CodedKind], rows: torch.Tensor, low: bool = False) -> Grouped:
+    """The atoms rows (B',) of each kind see, as one Grouped of len(kinds) x B' groups (kind-major); `low`:
+    correlations in bfloat16 (the shared atoms' bfloat16 copy made once per list of kinds)."""
     ov = [kind.overlay for kind in kinds]
     width = max(o.ids.shape[1] for o in ov)
     ids = torch.stack([_pad(o.ids[rows], width, -1) for o in ov])  # (L, B', R)
     vectors = torch.stack([_pad(o.vectors[rows], width, 0.0) for o in ov])  # (L, B', R, d)
     slots = torch.tensor([kind.gram_slot for kind in kinds], device=rows.device)
-    return Grouped(stacked_atoms(kinds), ids, vectors, max(kind.n_total() for kind in kinds), kinds[0].grams, slots)
+    atoms = stacked_atoms(kinds)
+    copies = kinds[0].low_atoms
+    key = tuple(id(kind) for kind in kinds)
+    if low and key not in copies:
+        copies[key] = atoms.to(torch.bfloat16)
+    return Grouped(atoms, ids, vectors, max(kind.n_total() for kind in kinds), kinds[0].grams, slots,
+                   copies[key] if low else None)
 
 
 def stacked_atoms(kinds: list[CodedKind]) -> torch.Tensor:
@@ -90,18 +97,19 @@ def stacked_atoms(kinds: list[CodedKind]) -> torch.Tensor:
 
 
 def code_kinds(kinds: list[CodedKind], rows: torch.Tensor, x: torch.Tensor, real: torch.Tensor, options: "Fadkv",
-               stats: CodingStats, now: int) -> tuple[torch.Tensor, torch.Tensor]:
+               stats: CodingStats, now: int, low: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Code new vectors x (L, B', m, d) fp32 of rows (B',) for each of L kinds (same sparsity) in one coder pass:
     idx, coef (L, B', m, s). Only `real` (L, B', m) vectors count (the others are zero filler, never stored as
-    codes); each row's dictionary adapts when asked, and the atoms the codes use are counted at step `now`."""
+    codes); each row's dictionary adapts when asked, and the atoms the codes use are counted at step `now`.
+    `low`: the screening correlations in bfloat16 (`dictionaries`)."""
     L, B, m, d = x.shape
     s = kinds[0].sparsity
     x, real = x.view(L * B, m, d), real.view(L * B, m)
-    atoms = dictionaries(kinds, rows)
+    atoms = dictionaries(kinds, rows, low)
     idx, coef, res = code(options, x, atoms, s)
     err = relative_error(x, res) * real
     if options.adapt != "none":
-        idx, coef, err = adapt(kinds, rows, x, real, atoms, idx, coef, res, err, options, stats)
+        idx, coef, err = adapt(kinds, rows, x, real, atoms, idx, coef, res, err, options, stats, low)
     stats.residual_sum += float(err.sum())
     stats.vectors += int(real.sum())
     for kind, i, r in zip(kinds, idx.view(L, B, m, s), real.view(L, B, m)):
@@ -109,7 +117,8 @@ def code_kinds(kinds: list[CodedKind], rows: torch.Tensor, x: torch.Tensor, real
     return idx.view(L, B, m, s), coef.view(L, B, m, s)
 
 
-def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, residual, err, options: "Fadkv", stats: CodingStats):
+def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, residual, err, options: "Fadkv", stats: CodingStats,
+          low: bool = False):
     """Fixed-size adaptation for every group (kind x row) at once: each group's worst-coded real vectors x (G, m, d)
     above the threshold (at most `max_new_atoms`) get their normalised residuals (`residual`, x - D c) placed as atoms
     of the row's overlay (replacing its inactive atoms, least recently used first, or appended), then are re-coded.
@@ -143,7 +152,7 @@ def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, residual, err, option
         kind.overlay.put(rows, new_atoms[part], vectors[part], place[part])
     stats.replaced += int(place.sum())
     recode = bad & place.any(1, keepdim=True)  # a group that placed an atom re-codes all its bad vectors
-    atoms = dictionaries(kinds, rows)
+    atoms = dictionaries(kinds, rows, low)
     new_idx, new_coef, new_res = code(options, xb, atoms, kinds[0].sparsity)
     new_err = relative_error(xb, new_res)
     idx, coef, err = idx.clone(), coef.clone(), err.clone()

@@ -151,6 +151,7 @@ def compress(layers: list["FadkvLayer"], prefill: bool, stats: CodingStats) -> N
     per_layer = len(rows) * layers[0].kv_heads * width
     step = max(1, MAX_VECTORS // per_layer)
     cfg = layers[0].cfg
+    low = layers[0].dtype == torch.bfloat16  # a model computing in bfloat16 screens in it too (coding.dictionaries)
     for start in range(0, len(plans), step):
         part = plans[start : start + step]
         built = [coding_vectors(layer, plan, rows, width) for layer, plan in part]  # (keys, values, real) per layer
@@ -163,7 +164,7 @@ def compress(layers: list["FadkvLayer"], prefill: bool, stats: CodingStats) -> N
         for call in calls:
             xs = torch.stack([x[i] for i in call]).flatten(2, 3)  # (L, B', H·width, d)
             rs = torch.stack([real[i] for i in call]).flatten(2, 3)
-            idx, coef = code_kinds([kinds[i] for i in call], row_index, xs, rs, cfg, stats, part[0][0].seen)
+            idx, coef = code_kinds([kinds[i] for i in call], row_index, xs, rs, cfg, stats, part[0][0].seen, low)
             for j, i in enumerate(call):
                 codes[i] = (_full_rows(idx[j], row_index, batch, width), _full_rows(coef[j], row_index, batch, width))
         for n, (layer, plan) in enumerate(part):

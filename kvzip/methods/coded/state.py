@@ -104,6 +104,7 @@ class CodedKind:
         self.refcount = torch.zeros(batch, self.n_atoms, dtype=torch.long, device=dev)
         self.last_used = torch.full((batch, self.n_atoms), -1, dtype=torch.long, device=dev)
         self._lookup: tuple | None = None  # (overlay version, table, index) for the fused kernel
+        self.low_atoms: dict = {}  # bfloat16 copies of stacked shared atoms, by the kinds stacked (coding.dictionaries)
 
     def bytes(self) -> dict[str, int]:
         return {"codes": self.codes.bytes(), "dictionary": self.overlay.bytes()}
