@@ -310,3 +310,26 @@ def test_rows_out_of_phase_keep_the_coded_tier_as_wide_as_the_fullest_row(tiny, 
         for row, n in zip(layer.coded_pos, real.tolist()):  # holes in front, then the row's tokens in order
             assert bool((row[: len(row) - n] == -1).all()) and bool((row[len(row) - n :].diff() > 0).all())
     assert events[-1].stats["kv_bytes_peak"] < events[-1].stats["kv_bytes_full"]
+
+
+@pytest.mark.parametrize("name, low", [("fadkv", True), ("lexico", False)])
+def test_bfloat16_model_screens_in_bfloat16_and_omp_stays_fp32(tiny, tokenizer, tiny_dictionaries, monkeypatch, name, low):
+    """A model computing in bfloat16 screens its pools on bfloat16 correlations (coding.dictionaries); OMP (lexico)
+    takes its coefficients from the correlations, so it keeps them fp32."""
+    import copy
+
+    from kvzip.methods.coded import coding
+
+    seen = []
+    grouped = coding.Grouped
+
+    def spy(*args):
+        seen.append(args[-1] is not None)
+        return grouped(*args)
+
+    monkeypatch.setattr(coding, "Grouped", spy)
+    model = copy.deepcopy(tiny).to(torch.bfloat16)
+    cache = get_method(name, SMALL).make_cache(model, tiny_dictionaries)
+    prompts = [tokenizer("x" * n)["input_ids"] for n in (5, 11)]
+    list(engine.generate(model, tokenizer, prompts, cache, engine.Settings(max_new_tokens=24, ignore_eos=True)))
+    assert seen and set(seen) == {low}

@@ -151,7 +151,9 @@ def compress(layers: list["FadkvLayer"], prefill: bool, stats: CodingStats) -> N
     per_layer = len(rows) * layers[0].kv_heads * width
     step = max(1, MAX_VECTORS // per_layer)
     cfg = layers[0].cfg
-    low = layers[0].dtype == torch.bfloat16  # a model computing in bfloat16 screens in it too (coding.dictionaries)
+    # a model computing in bfloat16 screens in it too (coding.dictionaries); OMP's coefficients come from its
+    # correlations, so lexico's stay fp32
+    low = layers[0].dtype == torch.bfloat16 and cfg.coder == "screen"
     for start in range(0, len(plans), step):
         part = plans[start : start + step]
         built = [coding_vectors(layer, plan, rows, width) for layer, plan in part]  # (keys, values, real) per layer
