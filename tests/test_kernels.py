@@ -72,6 +72,29 @@ def test_holes_and_masked_columns_are_never_read(tiny_dictionaries):
     assert torch.equal(got[1], torch.zeros_like(got[1]))
 
 
+def test_left_padding_masks_are_read_from_positions(tiny_dictionaries):
+    """A mask that hides only each row's first positions (the engine's left padding) is not gathered: the kernel
+    tells what a query sees from the tokens' positions, with holes; the same output as the reference."""
+    _, layer = make_layer(tiny_dictionaries, batch=2)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        step(layer, torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g),
+             torch.randn(2, 4, 1, 16, generator=g))
+    layer.coded_pos[0, :3] = -1
+    width = layer.seen + 1
+    mask = torch.ones(2, 1, 1, width, dtype=torch.bool)
+    mask[0, ..., :6] = False
+    mask[1, ..., :9] = False
+    assert layer._first_visible(mask, 2).tolist() == [6, 9]
+    got, want = fused_and_reference(layer, torch.randn(2, 4, 1, 16, generator=g), mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    additive = torch.zeros(2, 1, 1, width).masked_fill(~mask, float("-inf"))
+    assert layer._first_visible(additive, 2).tolist() == [6, 9]
+    mask = mask.clone()  # (a new mask, as every forward brings)
+    mask[0, ..., 20] = False  # not a left padding: the general path
+    assert layer._first_visible(mask, 2) is None
+
+
 @pytest.mark.parametrize("method", ["fadkv", "lexico"])
 def test_generation_with_the_kernel_equals_the_reference(tiny, tokenizer, tiny_dictionaries, method):
     """Through the engine, a left-padded batch: the same tokens with the kernel as with the PyTorch path."""

@@ -47,7 +47,10 @@ struct Args {
   const int64_t* coded_pos;                    // (B, T), row stride cp_b
   const void *dense_k, *dense_v;               // (B, H, S, d), channels contiguous, strides below
   int64_t ds_b, ds_h, ds_s;                    // the dense tier's strides (a view of spare room, not compact)
-  const bool* allowed;                         // (B, T + S)
+  const bool* allowed;                         // (B, T + S), or null: then each row's tokens at positions >= first
+  const int64_t* first;                        // (B,) each row's first real position (left padding before it)
+  const int64_t* dense_pos;                    // (B, S) the dense tier's positions, row stride dp_b
+  int64_t dp_b;
   float* out;                                  // (B, H, G, d)
 };
 
@@ -88,14 +91,22 @@ inline float exp_nonpositive(float x) {
 // One (row, KV head). NV: vectors per head (d / 16) when known at compile time, else 0 (then a.d / 16).
 template <typename idx_t, typename coef_t, typename dense_t, int64_t NV>
 void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vector<float>& acc,
-                std::vector<float>& qd) {
+                std::vector<float>& qd, std::vector<char>& seen) {
   const int64_t nv = NV ? NV : a.d / kLanes, d = nv * kLanes, W = a.T + a.S, G = a.G;
   const int64_t b = bh / a.H, h = bh % a.H;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   vf q[kMaxGroup][NV ? NV : kMaxHead / kLanes];  // the G query rows, in the model's channel order like every key
   for (int64_t g = 0; g < G; ++g)
     for (int64_t v = 0; v < nv; ++v) q[g][v] = load(a.q + (bh * G + g) * d + v * kLanes);
-  const bool* ok = a.allowed + b * W;
+  const char* ok;  // which of the row's T + S tokens the query sees
+  if (a.allowed) {
+    ok = reinterpret_cast<const char*>(a.allowed + b * W);
+  } else {  // every real token of the row: positions from its first real one on (holes are -1)
+    const int64_t lo = a.first[b];
+    for (int64_t t = 0; t < a.T; ++t) seen[t] = a.coded_pos[b * a.cp_b + t] >= lo;
+    for (int64_t t = 0; t < a.S; ++t) seen[a.T + t] = a.dense_pos[b * a.dp_b + t] >= lo;
+    ok = seen.data();
+  }
   const idx_t* k_idx = static_cast<const idx_t*>(a.k_idx) + b * a.kc_b + h * a.kc_h;
   const coef_t* k_coef = static_cast<const coef_t*>(a.k_coef) + b * a.kc_b + h * a.kc_h;
   const at::Half* k_scale = a.k_scale ? a.k_scale + b * a.ks_b + h * a.ks_h : nullptr;
@@ -251,7 +262,8 @@ template <typename idx_t, typename coef_t, typename dense_t, int64_t NV>
 void attend(const Args& a) {
   at::parallel_for(0, a.B * a.H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(a.G * (a.T + a.S)), acc(a.G * a.v_ntot), qd(a.rope_cs ? 0 : a.G * a.k_ntot);
-    for (int64_t bh = begin; bh < end; ++bh) attend_one<idx_t, coef_t, dense_t, NV>(a, bh, scores, acc, qd);
+    std::vector<char> seen(a.allowed ? 0 : a.T + a.S);
+    for (int64_t bh = begin; bh < end; ++bh) attend_one<idx_t, coef_t, dense_t, NV>(a, bh, scores, acc, qd, seen);
   });
 }
 
@@ -310,7 +322,8 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
                               const std::optional<Tensor>& v_scale, const Tensor& v_shared, const Tensor& v_extra,
                               const Tensor& v_offsets, const std::optional<Tensor>& key_mean,
                               const std::optional<Tensor>& rope_cs, const Tensor& coded_pos, const Tensor& dense_k,
-                              const Tensor& dense_v, const Tensor& allowed) {
+                              const Tensor& dense_v, const std::optional<Tensor>& allowed,
+                              const std::optional<Tensor>& first, const std::optional<Tensor>& dense_pos) {
   TORCH_CHECK(q.device().is_cpu(), "coded_decode_attention runs on the CPU");
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be (B, H, G, d) float32");
   TORCH_CHECK(q.size(3) <= kMaxHead && q.size(3) % kLanes == 0 && q.size(2) <= kMaxGroup,
@@ -329,8 +342,17 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
   TORCH_CHECK(coded_pos.scalar_type() == at::kLong && coded_pos.dim() == 2 && coded_pos.size(0) == B &&
                   coded_pos.size(1) == T && coded_pos.stride(1) == 1,
               "coded_pos must be (B, T) int64, tokens contiguous");
-  TORCH_CHECK(allowed.scalar_type() == at::kBool && allowed.is_contiguous() && allowed.numel() == B * (T + S),
-              "allowed must be (B, T + S) bool");
+  if (allowed.has_value()) {
+    TORCH_CHECK(allowed->scalar_type() == at::kBool && allowed->is_contiguous() && allowed->numel() == B * (T + S),
+                "allowed must be (B, T + S) bool");
+  } else {
+    TORCH_CHECK(first.has_value() && first->scalar_type() == at::kLong && first->is_contiguous() &&
+                    first->numel() == B,
+                "without `allowed`, first must be (B,) int64");
+    TORCH_CHECK(dense_pos.has_value() && dense_pos->scalar_type() == at::kLong && dense_pos->dim() == 2 &&
+                    dense_pos->size(0) == B && dense_pos->size(1) == S && dense_pos->stride(1) == 1,
+                "without `allowed`, dense_pos must be (B, S) int64, tokens contiguous");
+  }
   int64_t rope_dim = 0;
   if (rope_cs.has_value()) {
     TORCH_CHECK(rope_cs->dim() == 3 && rope_cs->size(1) == 2 && rope_cs->scalar_type() == at::kFloat &&
@@ -356,7 +378,9 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
          k_offsets.data_ptr<int64_t>(), v_offsets.data_ptr<int64_t>(),
          key_mean ? key_mean->data_ptr<float>() : nullptr, rope_cs ? rope_cs->data_ptr<float>() : nullptr,
          coded_pos.data_ptr<int64_t>(), dense_k.data_ptr(), dense_v.data_ptr(), dense_k.stride(0), dense_k.stride(1),
-         dense_k.stride(2), allowed.data_ptr<bool>(), out.data_ptr<float>()};
+         dense_k.stride(2), allowed ? allowed->data_ptr<bool>() : nullptr, first ? first->data_ptr<int64_t>() : nullptr,
+         dense_pos ? dense_pos->data_ptr<int64_t>() : nullptr, dense_pos ? dense_pos->stride(0) : 0,
+         out.data_ptr<float>()};
   if (k_idx.scalar_type() == at::kShort)
     dispatch_coef<int16_t>(a, k_coef.scalar_type(), dense_k.scalar_type());
   else
@@ -370,7 +394,8 @@ TORCH_LIBRARY_FRAGMENT(kvzip, m) {
   m.def("coded_decode_attention(Tensor q, Tensor k_idx, Tensor k_coef, Tensor? k_scale, Tensor k_shared, "
         "Tensor k_extra, Tensor k_offsets, Tensor v_idx, Tensor v_coef, Tensor? v_scale, Tensor v_shared, "
         "Tensor v_extra, Tensor v_offsets, "
-        "Tensor? key_mean, Tensor? rope_cs, Tensor coded_pos, Tensor dense_k, Tensor dense_v, Tensor allowed) "
+        "Tensor? key_mean, Tensor? rope_cs, Tensor coded_pos, Tensor dense_k, Tensor dense_v, Tensor? allowed, "
+        "Tensor? first, Tensor? dense_pos) "
         "-> Tensor");
   m.impl("coded_decode_attention", c10::DispatchKey::CPU, TORCH_FN(coded_decode_attention));
 }

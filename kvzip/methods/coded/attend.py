@@ -86,11 +86,13 @@ class CodedAttention:
         b, hq, _, d = query.shape
         h = self.kv_heads
         qg = (query.float().reshape(b, h, hq // h, d) * scaling).contiguous()  # (B, H, G, d)
-        positions = torch.cat([self.coded_pos, self.positions], 1)
-        width = positions.shape[1]
-        allowed = self._allowed(mask, positions, 1, width, query.device)
-        allowed = (torch.ones(b, width, dtype=torch.bool, device=query.device) if allowed is None
-                   else allowed.expand(b, 1, width).reshape(b, width).contiguous())
+        allowed, first = None, self._first_visible(mask, b) if self.sliding is None else None
+        if first is None:
+            positions = torch.cat([self.coded_pos, self.positions], 1)
+            width = positions.shape[1]
+            allowed = self._allowed(mask, positions, 1, width, query.device)
+            allowed = (torch.ones(b, width, dtype=torch.bool, device=query.device) if allowed is None
+                       else allowed.expand(b, 1, width).reshape(b, width).contiguous())
         dim = None if self.rope is None else self.rope.dim  # pre-RoPE: the kernel turns keys in the model's order
         k_atoms, v_atoms = self.coded_keys.lookup(dim), self.coded_values.lookup()
         k, v = self.coded_keys.codes, self.coded_values.codes
@@ -100,8 +102,25 @@ class CodedAttention:
         out = torch.ops.kvzip.coded_decode_attention(
             qg, k.idx, k.stored, k.scale, *k_atoms, v.idx, v.stored, v.scale, *v_atoms,
             None if self.key_mean is None else self.mean,
-            None if self.rope is None else self._rope_cs(), self.coded_pos, self.keys, self.values, allowed)
+            None if self.rope is None else self._rope_cs(), self.coded_pos, self.keys, self.values, allowed, first,
+            self.positions)
         return out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
+
+    def _first_visible(self, mask, batch: int) -> torch.Tensor | None:
+        """(B,) each row's first visible position when the mask (B|1, 1, 1, P) of one new token hides exactly the
+        positions before it (the engine's left padding), so that the kernel can tell what a query sees from the
+        tokens' positions; None for any other mask. Checked once per forward and shared by the cache's layers."""
+        if mask is None:
+            return torch.zeros(batch, dtype=torch.long, device=self.keys.device)
+        memo = self.rope_memo.setdefault("first", {})
+        key = (id(mask), self.seen)
+        if key not in memo:
+            memo.clear()
+            seen = mask[:, 0, 0] if mask.dtype == torch.bool else mask[:, 0, 0] == 0  # (B|1, P)
+            first = (~seen).long().cumprod(-1).sum(-1)  # hidden positions before the first visible one
+            exact = bool((seen == (torch.arange(seen.shape[-1], device=seen.device) >= first[:, None])).all())
+            memo[key] = first.expand(batch).contiguous() if exact else None
+        return memo[key]
 
     def _rope_cs(self) -> torch.Tensor:
         """(P, 2, dim/2) fp32: RoPE's scaled cos and sin at every position up to the newest, for the fused kernel;
