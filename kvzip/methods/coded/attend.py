@@ -112,10 +112,8 @@ class CodedAttention:
         tokens' positions; None for any other mask. Checked once per forward and shared by the cache's layers."""
         if mask is None:
             return torch.zeros(batch, dtype=torch.long, device=self.keys.device)
-        memo = self.rope_memo.setdefault("first", {})
-        key = (id(mask), self.seen)
+        memo, key = self._step_memo(), ("first", id(mask))
         if key not in memo:
-            memo.clear()
             seen = mask[:, 0, 0] if mask.dtype == torch.bool else mask[:, 0, 0] == 0  # (B|1, P)
             first = (~seen).long().cumprod(-1).sum(-1)  # hidden positions before the first visible one
             exact = bool((seen == (torch.arange(seen.shape[-1], device=seen.device) >= first[:, None])).all())
@@ -172,14 +170,20 @@ class CodedAttention:
             out[..., part] = qp @ keys.transpose(-1, -2)  # (B, H, G, Tc)
         return out
 
-    def _rope_table(self) -> torch.Tensor:
-        """RoPE turns (B, T, dim/2) complex of the coded tokens' positions. Layers with the same RoPE and window code
-        the same positions, so the table is computed by the first of them in a forward and reused by the others (kept
-        only until the next step)."""
+    def _step_memo(self) -> dict:
+        """What the layers of a cache compute once per forward and share (RoPE turns, the mask's first visible
+        positions): emptied when a new forward begins (the layers' `seen` moved on)."""
         memo = self.rope_memo.setdefault("step", {})
         if memo.get("seen") != self.seen:
             memo.clear()
             memo["seen"] = self.seen
+        return memo
+
+    def _rope_table(self) -> torch.Tensor:
+        """RoPE turns (B, T, dim/2) complex of the coded tokens' positions. Layers with the same RoPE and window code
+        the same positions, so the table is computed by the first of them in a forward and reused by the others (kept
+        only until the next step)."""
+        memo = self._step_memo()
         key = (id(self.rope), self.sliding, self.coded_pos.shape[1])
         if key not in memo:
             memo[key] = phasors(self.coded_pos, self.rope)
