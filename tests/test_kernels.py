@@ -175,3 +175,55 @@ def test_bfloat16_screening_codes_as_well_as_float32():
     assert abs(err[False, True] - err[False, False]) < 1e-3
     for fused in (False, True):
         assert abs(err[True, fused] / err[False, fused] - 1) < 0.01, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pooled_decode_attention_equals_sdpa_on_the_gathered_rows(dtype):
+    """Rows as slot lists into a shared pool (Hkv, N, d), empty slots (-1) and left padding (positions before `first`)
+    unseen, free slots between: the kernel equals SDPA over the same rows gathered into a rectangle, a row that sees
+    nothing gives zeros."""
+    torch.manual_seed(0)
+    b, h, g, d, n, w = 4, 2, 3, 32, 60, 12
+    keys, values = torch.randn(h, n, d).to(dtype), torch.randn(h, n, d).to(dtype)
+    slots = torch.randperm(n)[: b * w].view(b, w)
+    slots[1, :5] = -1  # a shorter row
+    slots[3] = -1  # a row with nothing
+    positions = torch.arange(w).expand(b, w).masked_fill(slots < 0, -1)
+    first = torch.tensor([0, 0, 4, 0])
+    q = torch.randn(b, h, g, d)
+    got = torch.ops.kvzip.pooled_decode_attention(q, keys, values, slots, positions.contiguous(), first)
+    at = slots.clamp(min=0)
+    k, v = keys[:, at].transpose(0, 1).float(), values[:, at].transpose(0, 1).float()
+    seen = ((slots >= 0) & (positions >= first[:, None]))[:, None, None, :]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=1.0)
+    torch.testing.assert_close(got[:3], want[:3], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    slots[1, -1] = slots[0, -1]  # a slot two rows hold is refused
+    with pytest.raises(RuntimeError, match="held twice"):
+        torch.ops.kvzip.pooled_decode_attention(q, keys, values, slots, positions.contiguous(), first)
+
+
+@pytest.mark.parametrize("method", ["zoomr", "sumr"])
+def test_thought_caches_attend_alike_with_the_kernel_and_the_reference(tiny, tokenizer, method):
+    """A left-padded batch through the engine: the same tokens with the pooled kernel as with the PyTorch path, and at
+    the end one more query's attention on every layer equal to float tolerance."""
+    prompts = [tokenizer("Q?")["input_ids"], tokenizer("a longer question, padded less?")["input_ids"]]
+    settings = engine.Settings(max_new_tokens=60, ignore_eos=True)
+    opts = {"window": "8", "summary_tokens": "2", "min_thought_tokens": "4", "max_thought_tokens": "12"}
+    out, caches = {}, {}
+    for kernel in ("auto", "torch"):
+        cache = caches[kernel] = get_method(method, {**opts, "kernel": kernel}).make_cache(tiny)
+        events = list(engine.generate(tiny, tokenizer, prompts, cache, settings))
+        out[kernel] = [e.token_ids for e in events if isinstance(e, engine.Result)]
+    assert out["auto"] == out["torch"]
+    cache = caches["auto"]
+    assert cache.rebuilds > 0 and (cache.layers[0].slots < 0).any()  # rows of different lengths were rebuilt
+    query = torch.randn(2, tiny.config.num_attention_heads, 1, 16)
+    mask = torch.ones(2, 1, 1, cache.layers[0].seen + 1, dtype=torch.bool)
+    for layer in cache.layers:
+        assert layer._fused(query)
+        got = layer._attention(query, mask, 0.25)
+        cache.config = dataclasses.replace(cache.config, kernel="torch")
+        want = layer._attention(query, mask, 0.25)
+        cache.config = dataclasses.replace(cache.config, kernel="auto")
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

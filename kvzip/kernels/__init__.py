@@ -8,6 +8,8 @@ those in one pass per (row, KV head) or per vector, registered as `torch.ops.kvz
   dense tier, pre-RoPE keys rebuilt and turned in registers, values in atom space.
 - `screen_pursue` (screen_coder.cpp): the screening coder's pursuit on each vector's candidate pool, with an explicit
   residual, one vector per pass (the correlations with every atom stay one batched product in PyTorch).
+- `pooled_decode_attention` (pooled_attention.cpp): one new token's attention over a thought cache's rows, each a list
+  of slots in a token pool the batch shares (zoomr and sumr hold no padding for the batch's widest row).
 
 The plain PyTorch code stays the reference every kernel is tested against (tests/test_kernels.py), and it is what
 runs where a kernel cannot be built (no C++ compiler, a torch without its headers) or does not apply (CUDA, a
@@ -27,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("coded_attention.cpp", "screen_coder.cpp")
-OPS = ("coded_decode_attention", "screen_pursue")
+SOURCES = ("coded_attention.cpp", "screen_coder.cpp", "pooled_attention.cpp")
+OPS = ("coded_decode_attention", "screen_pursue", "pooled_decode_attention")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno")
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "ok": bool once tried, "why": the reason it is not available

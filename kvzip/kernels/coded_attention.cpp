@@ -54,6 +54,7 @@ struct Args {
   float* out;                                  // (B, H, G, d)
 };
 
+using kvzip_vec::exp_nonpositive;
 using kvzip_vec::hsum;
 using kvzip_vec::kLanes;
 using kvzip_vec::load;
@@ -65,27 +66,6 @@ constexpr int64_t kMaxGroup = 32;  // query heads per KV head
 
 inline const float* atom_at(const float* shared, const float* extra, int64_t offset, int64_t d) {
   return offset >= 0 ? shared + offset : extra + (-1 - offset) * d;
-}
-
-// exp(x) for x <= 0 (scores minus their maximum), -inf and anything below -87 giving 0: 2^n times a degree-7
-// polynomial on |r| <= ln2 / 2 (relative error ~2e-7), branch-free so that a loop of it vectorizes, where std::exp
-// does not (glibc's vector exp needs -ffast-math, which would drop -inf from the scores).
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x <= -87.f ? 0.f : p * scale;
 }
 
 // One (row, KV head). NV: vectors per head (d / 16) when known at compile time, else 0 (then a.d / 16).

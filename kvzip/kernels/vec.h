@@ -3,9 +3,12 @@
 // head (NV = d / 16) known at compile time, a loop over a head's channels keeps its operands in registers.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#include <c10/util/BFloat16.h>
 
 namespace kvzip_vec {
 
@@ -22,6 +25,15 @@ template <typename scalar_t>
 inline vf load_as_float(const scalar_t* p) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return load(p);
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // a bf16 is a float's top half: widen and shift
+    typedef uint16_t vh __attribute__((vector_size(32)));
+    typedef uint32_t vu __attribute__((vector_size(64)));
+    vh h;
+    std::memcpy(&h, p, sizeof(h));
+    const vu bits = __builtin_convertvector(h, vu) << 16;
+    vf v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
   } else {
     float tmp[kLanes];
     for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
@@ -40,11 +52,49 @@ inline float hsum(vf v) {  // pairwise, in four shuffles and adds
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// Sixteen horizontal sums at once: lane i of the result is the sum of x[i]'s lanes. Four levels, each adding the
+// two halves of pairs of vectors' partial sums: 15 adds and 30 shuffles where sixteen `hsum`s take 64 of each.
+inline vf transpose_sum(const vf* x) {
+  vf s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: x[2i]'s eight partial sums, 8-15: x[2i + 1]'s
+    s1[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // four partial sums each of x[4i .. 4i + 3]
+    s2[i] = __builtin_shufflevector(s1[2 * i], s1[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(s1[2 * i], s1[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // two each of x[8i .. 8i + 7]
+    s3[i] = __builtin_shufflevector(s2[2 * i], s2[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            __builtin_shufflevector(s2[2 * i], s2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(s3[0], s3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(s3[0], s3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 // the dot product of two rows of nv vectors
 inline float dot_rows(const float* a, const float* b, int64_t nv) {
   vf acc = load(a) * load(b);
   for (int64_t v = 1; v < nv; ++v) acc += load(a + v * kLanes) * load(b + v * kLanes);
   return hsum(acc);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), -inf and anything below -87 giving 0: 2^n times a degree-7
+// polynomial on |r| <= ln2 / 2 (relative error ~2e-7), branch-free so that a loop of it vectorizes, where std::exp
+// does not (glibc's vector exp needs -ffast-math, which would drop -inf from the scores).
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x <= -87.f ? 0.f : p * scale;
 }
 
 }  // namespace kvzip_vec

@@ -35,6 +35,7 @@ import torch
 
 from kvzip.errors import UserError
 from kvzip.methods.base import DenseLayer, KVCache, Method, check_choice, check_positive, model_layout, tensor_bytes
+from kvzip.methods.options import KERNELS
 from kvzip.methods.coded.attend import CodedAttention
 from kvzip.methods.coded.coding import ADAPT, CodingStats
 from kvzip.methods.coded.compress import compress
@@ -44,8 +45,6 @@ from kvzip.rope import as_rope, attention_windows, layer_ropes, visible_from
 from kvzip.sparse import CACHE_CODERS, KEY_MODES, KEY_OPTIONS, attention as coded
 from kvzip.sparse.dictionary import LayerAtoms, prepare_for_devices
 from kvzip.sparse.screen import PICKS, SHOTS
-
-KERNELS = ("auto", "torch")
 
 
 class FadkvLayer(CodedAttention, DenseLayer):

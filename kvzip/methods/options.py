@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from kvzip.errors import UserError
 
+KERNELS = ("auto", "torch")  # a method's `kernel` option: the fused CPU kernels where they run (kvzip/kernels), or never
+
 
 def convert_option(raw: str, kind, label: str):
     try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, Method, check_choice, check_positive, model_layout
+from kvzip.methods.options import KERNELS
 from kvzip.methods.thoughts.cache import ThoughtCache, ThoughtConfig, Zoom
 from kvzip.methods.thoughts.detail import DETAILS, CodedDetail, DenseDetail, Int8Detail
 from kvzip.methods.thoughts.segment import Segmentation, parse_boundary
@@ -44,10 +45,12 @@ class ThoughtOptions(Method):
     max_thought_tokens: int = 128
     begin_marker: str = "<|begin_of_summary|>"
     end_marker: str = "<|end_of_summary|>"
+    kernel: str = "auto"  # auto: decode attention in the fused CPU kernel over the token pool where it runs; torch: never
 
     def __post_init__(self):
         check_choice("summary_source", self.summary_source, SUMMARY_SOURCES)
         check_choice("summary_pick", self.summary_pick, SUMMARY_PICKS)
+        check_choice("kernel", self.kernel, KERNELS)
         check_positive(summary_tokens=self.summary_tokens, window=self.window,
                        min_thought_tokens=self.min_thought_tokens)
         if self.max_thought_tokens < self.min_thought_tokens:
@@ -61,7 +64,8 @@ class ThoughtOptions(Method):
         strings, ids = parse_boundary(self.boundary)
         segmentation = Segmentation(strings, ids, self.min_thought_tokens, self.max_thought_tokens,
                                     self.summary_source == "generated", self.begin_marker, self.end_marker)
-        return ThoughtConfig(segmentation, self.summary_tokens, self.summary_pick, self.window, zoom, detail)
+        return ThoughtConfig(segmentation, self.summary_tokens, self.summary_pick, self.window, zoom, detail,
+                             self.kernel)
 
 
 @dataclass

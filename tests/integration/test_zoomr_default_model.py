@@ -30,3 +30,28 @@ def test_zoomr_device_bytes_below_full_and_detail_on_host():
     assert record["kv_bytes_peak"] < record["kv_bytes_full"]
     assert record["kv_bytes_host_peak"] > 0 and stats["host_bytes"] == record["kv_bytes_by_tier"]["host"]
     assert stats["selections"] > 0 and stats["selection_ms_per_token"] > 0
+
+
+def test_a_batch_holds_what_its_rows_hold_alone(default_model):
+    """Rows of different lengths in one batch (each zooms in on its own thoughts): the device tier of the batch is the
+    sum of its rows' device tiers alone within 5%, at the end and at the peak (the token pool,
+    kvzip/methods/thoughts/pool.py)."""
+    from kvzip import engine
+    from kvzip.methods import get_method
+
+    model, tokenizer, _ = default_model
+    questions = ["Natalia sold clips to 48 friends in April and half as many in May. How many in all? Explain.",
+                 "A train travels 60 km per hour for 3 hours. How far does it go? Show each step.",
+                 "Tom has 3 apples.", "List three prime numbers and say why each is prime, one paragraph each."]
+    prompts = [engine.encode(tokenizer, q) for q in questions]
+    settings = engine.Settings(max_new_tokens=300, ignore_eos=True)
+
+    def device_bytes(batch):
+        events = list(engine.generate(model, tokenizer, batch, get_method("zoomr").make_cache(model), settings))
+        stats = [e for e in events if isinstance(e, engine.Summary)][0].stats
+        return stats["kv_bytes_by_tier"]["device"], stats["kv_bytes_device_peak"]
+
+    final, peak = device_bytes(prompts)
+    alone = [device_bytes([p]) for p in prompts]
+    assert abs(final / sum(a[0] for a in alone) - 1) < 0.05
+    assert peak < 1.05 * sum(a[1] for a in alone)

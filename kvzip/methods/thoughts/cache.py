@@ -26,10 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvzip import kernels
 from kvzip.attention import causal_tail, decode_path, gather_mask, grouped_attention
-from kvzip.methods.base import DenseLayer, KVCache, tensor_bytes
+from kvzip.methods.base import DenseLayer, KVCache, KVLayer, tensor_bytes
 from kvzip.methods.thoughts.detail import part_bytes, store_layers
 from kvzip.methods.thoughts.index import Ballot, head_votes, stack_index
+from kvzip.methods.thoughts.pool import TokenPool
 from kvzip.methods.thoughts.rebuild import rebuild_rows
 from kvzip.methods.thoughts.segment import Row, Segmentation
 from kvzip.methods.thoughts.summary import pick_summary
@@ -57,14 +59,17 @@ class ThoughtConfig:
     window: int
     zoom: Zoom | None = None
     detail: list | None = None
+    kernel: str = "auto"  # auto: one new token's attention in the fused CPU kernel where it runs; torch: never
 
     def __post_init__(self):
         assert self.zoom is None or self.detail is not None, "zooming in needs a detail tier to load thoughts from"
 
 
 class ThoughtLayer(DenseLayer):
-    """The active buffer (keys, values, positions: -1 for an empty slot of a shorter row), each row's summaries,
-    index keys and detail."""
+    """The active buffer, each row's summaries, index keys and detail. The buffer is a pool of tokens the rows share
+    (kvzip.methods.thoughts.pool) and, per row, the slots it holds and their positions, `slots` and `positions`
+    (B, W): right-aligned, -1 for an empty slot of a shorter row. `rectangle()` gathers the (B, Hkv, W, d) keys and
+    values they stand for, for the paths that need one (a prompt, a sliding-window layer, CUDA)."""
 
     def __init__(self, cache: "ThoughtCache", idx: int, rope=None, sliding: int | None = None):
         super().__init__(sliding)
@@ -73,7 +78,12 @@ class ThoughtLayer(DenseLayer):
         self.detail_store = None if cache.config.detail is None else cache.config.detail[idx]
 
     def lazy_initialization(self, key_states, value_states):
-        super().lazy_initialization(key_states, value_states)
+        KVLayer.lazy_initialization(self, key_states, value_states)
+        b, h, _, d = key_states.shape
+        self.pool = TokenPool(h, d, key_states.dtype, self.device)
+        self.slots = torch.zeros(b, 0, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(b, 0, dtype=torch.long, device=self.device)
+        self.room, self.appended = {}, {}  # DenseLayer's spare room behind `slots` and `positions`
         self.lengths = [0] * self.batch  # per row, its slots in use: the last ones of the buffer
         self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
         self.summary_all = [self.positions.new_zeros(0) for _ in range(self.batch)]  # per row, all of them at once
@@ -93,13 +103,33 @@ class ThoughtLayer(DenseLayer):
             self.cache.queries.append((self, query[:, :, -1]))
         return out
 
+    def rectangle(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, Hkv, W, d) of every row's slots, gathered from the pool (an empty slot reads as slot 0:
+        `positions` masks it), for the paths that need a rectangle."""
+        k, v = self.pool.gather(self.slots)  # (Hkv, B, W, d)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def row_tokens(self, b: int, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (Hkv, n, d) of row b's slots [start:stop) (an empty slot reads as slot 0: mask it)."""
+        return self.pool.gather(self.slots[b, start:stop])
+
+    def forget(self, gone: torch.Tensor) -> None:
+        """Empty the slots where `gone` (B, W) is true."""
+        self.positions = self.positions.masked_fill(gone, -1)
+        self.slots = self.slots.masked_fill(gone, -1)
+
     def update(self, key_states, value_states, *args, **kwargs):
-        out = super().update(key_states, value_states, *args, **kwargs)
-        self.lengths = [n + key_states.shape[2] for n in self.lengths]  # every row's stored tokens (right-aligned)
-        return out
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        self.extend("slots", self.pool.add(key_states, value_states))
+        self.extend("positions", self.new_positions(q))
+        self.seen += q
+        self.lengths = [n + q for n in self.lengths]  # every row's stored tokens (right-aligned)
+        return key_states, value_states  # attention reads the pool (`attend`)
 
     def memory(self) -> dict[str, int]:
-        device = tensor_bytes(self.keys, self.values, self.positions)
+        device = self.pool.nbytes() + tensor_bytes(self.slots, self.positions)
         device += self.index_bytes + (tensor_bytes(*self.stacked) if self.stacked else 0)
         return {"device": device, "host": self.host_bytes}
 
@@ -107,11 +137,11 @@ class ThoughtLayer(DenseLayer):
         """Sliding-window layer, after attending: drop what the next query cannot see (the buffer's oldest slots:
         each row is sorted with its padding in front) and the detail of thoughts that have left the window."""
         cut = visible_from(self.seen, self.sliding)
-        self.positions = self.positions.masked_fill(self.positions < cut, -1)
+        self.forget(self.positions < cut)
         drop = int((self.positions < 0).sum(1).min())
         if drop:
-            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
-            self.positions = self.positions[:, drop:]
+            self.slots, self.positions = self.slots[:, drop:], self.positions[:, drop:]
+        self.pool.release(self.slots)
         for b, row in enumerate(self.cache.rows):
             for t, stored in enumerate(self.detail[b]):
                 if stored is not None and row.thoughts[t][1] <= cut:
@@ -120,6 +150,8 @@ class ThoughtLayer(DenseLayer):
 
     def _attention(self, query, mask, scaling):
         """query (B, Hq, q, d) over the active buffer -> (B, q, Hq, d)."""
+        if self._fused(query):
+            return self._pooled_attention(query, mask, scaling)
         if mask is not None and query.shape[2] == 1 and self.sliding is None:
             # One new token per row on a full-attention layer: the engine's mask hides only each row's left padding,
             # the positions before first_real (an empty slot's -1 among them); no gather of its columns needed.
@@ -127,12 +159,32 @@ class ThoughtLayer(DenseLayer):
         elif mask is not None:
             m = gather_mask(mask, self.positions.clamp(min=0)) & (self.positions >= 0)[:, None, None, :]
         else:
-            m = (self.positions >= 0)[:, None, None, :] & causal_tail(query.shape[2], self.keys.shape[2], query.device)
+            m = (self.positions >= 0)[:, None, None, :] & causal_tail(query.shape[2], self.slots.shape[1], query.device)
+        keys, values = self.rectangle()
         if decode_path(query):
-            return grouped_attention(query, self.keys, self.values, m, scaling)
+            return grouped_attention(query, keys, values, m, scaling)
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, self.keys, self.values, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != self.kv_heads)
+            query, keys, values, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != self.kv_heads)
         return out.transpose(1, 2).contiguous()
+
+    def _fused(self, query) -> bool:
+        """Whether one new token's attention runs in the fused CPU kernel on the pool (kvzip/kernels): `kernel=auto`,
+        one token on a full-attention layer (a sliding window's mask is the general one), on the CPU, the kernel
+        built."""
+        d, group = query.shape[3], query.shape[1] // self.kv_heads
+        return (query.shape[2] == 1 and self.sliding is None and query.device.type == "cpu" and d % 16 == 0
+                and d <= 256 and group <= 32 and self.cache.config.kernel == "auto" and kernels.available())
+
+    def _pooled_attention(self, query, mask, scaling):
+        """The fused kernel over each row's slots: a slot counts from the row's first real position on (the engine's
+        decode mask hides only left padding), or from position 0 without a mask (one stream)."""
+        b, hq, _, d = query.shape
+        first = (self.cache.first_real.to(self.device).view(b) if mask is not None
+                 else torch.zeros(b, dtype=torch.long, device=self.device))
+        q = (query.float() * scaling).view(b, self.kv_heads, hq // self.kv_heads, d)  # head j*g+i reads KV head j
+        out = torch.ops.kvzip.pooled_decode_attention(q.contiguous(), self.pool.keys, self.pool.values, self.slots,
+                                                      self.positions, first)
+        return out.view(b, 1, hq, d).to(query.dtype)
 
     def _load(self, b: int, t: int):
         """Thought t of row b back on the device: (K, V) each (Hkv, n, d)."""
@@ -280,17 +332,18 @@ class ThoughtCache(KVCache):
         config, row, seen = self.config, self.rows[b], self.seen
         end, span, m = row.thoughts[t][1], row.spans[t], seen - first
         n = max(end - first, 0)
-        keys = torch.stack([layer.keys[b, :, layer.keys.shape[2] - m:] for layer in layers])  # (L, Hkv, m, d)
-        values = torch.stack([layer.values[b, :, layer.values.shape[2] - m:] for layer in layers])
+        tokens = [layer.row_tokens(b, layer.slots.shape[1] - m) for layer in layers]
+        keys = torch.stack([k for k, _ in tokens])  # (L, Hkv, m, d)
+        values = torch.stack([v for _, v in tokens])
         device, rope = keys.device, layers[0].rope
         if span is not None:
             keep = torch.arange(max(span[0], first) - first, span[1] - first, device=device).expand(len(layers), -1)
         elif config.summary_pick == "novel":  # compared with the row's real tokens before the thought
-            widths = [layer.keys.shape[2] - m for layer in layers]
+            widths = [layer.slots.shape[1] - m for layer in layers]
             before = keys.new_zeros(len(layers), keys.shape[1], max(widths), keys.shape[3], dtype=torch.float32)
             before_pos = torch.full((len(layers), max(widths)), -1, dtype=torch.long, device=device)
             for i, (layer, w) in enumerate(zip(layers, widths)):  # fp32 as they are copied: novelty works in fp32
-                before[i, :, :w] = layer.keys[b, :, :w]
+                before[i, :, :w] = layer.row_tokens(b, 0, w)[0]
                 before_pos[i, :w] = layer.positions[b, :w]
             keep = pick_summary(keys[:, :, :n], torch.arange(first, first + n, device=device), config.summary_tokens,
                                 "novel", rope, before, before_pos, before_pos >= row.keep[0][0])

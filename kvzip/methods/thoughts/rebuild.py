@@ -32,7 +32,7 @@ def rebuild_rows(cache: "ThoughtCache", moved: list[int]) -> None:
         cut = visible_from(cache.seen - cache.q_len, sliding)
         if cut:
             for layer in layers:
-                layer.positions = layer.positions.masked_fill(layer.positions < cut, -1)
+                layer.forget(layer.positions < cut)
         plans = {b: plan_row(cache, layers, b, cut) for b in moved}
         for i, layer in enumerate(layers):
             write_rows(layer, {b: plan[i] for b, plan in plans.items()})
@@ -40,11 +40,10 @@ def rebuild_rows(cache: "ThoughtCache", moved: list[int]) -> None:
 
 def plan_row(cache: "ThoughtCache", layers: list, b: int, cut: int) -> list[tuple]:
     """Row b's active context in each of `layers`: the kept prompt, the tail, the layer's summaries and the
-    zoomed thoughts, none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and V (Hkv, m, d) or
-    None, how many of the sources move), sources indexing the layer's current row followed by the loaded tokens.
+    zoomed thoughts, none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and V (Hkv, m, d) and
+    where they go, or None), sources indexing the layer's current row followed by the loaded tokens.
     Order: on a full-attention layer the zoomed thoughts' other tokens (neither summary nor tail) come first, then
-    everything else by position, so a change of zoom set rewrites only the row's first slots (attention does not
-    care about order; the tail stays last and sorted). A sliding-window layer keeps the whole row by position: it
+    everything else by position (attention does not care about order; the tail stays last and sorted). A sliding-window layer keeps the whole row by position: it
     drops what leaves its window from the front. A thought zoomed at the row's last gather is whole in the buffer
     still; only newly zoomed ones are loaded, and of those only what a layer does not hold (its own summary tokens
     it does). All of it is planned as masks over positions (L, seen + 1; the last column takes what pads a
@@ -93,17 +92,10 @@ def plan_row(cache: "ThoughtCache", layers: list, b: int, cut: int) -> list[tupl
     src = slot[which, pos]
     if new:
         src = torch.where(held[which, pos], src, widths[which] + loaded_at[pos])
-    # Rows are right-aligned: a token whose distance from the row's end is unchanged stays in its slot. Per
-    # layer, everything after the last token that does move (the tail and what follows the last change) stays.
-    flat = torch.arange(len(which), device=device)
-    ends = kept.cumsum(0)
-    moves = widths[which] - src != ends[which] - flat
-    last = torch.full_like(kept, -1).scatter_reduce(0, which, torch.where(moves, flat, -1), "amax")
-    moving = (last + 1 - (ends - kept)).clamp(min=0)
-    numbers = torch.stack([kept, moving] + ([load.sum(1)] if new else [])).tolist()
-    counts, moving = numbers[0], numbers[1]
+    numbers = torch.stack([kept] + ([load.sum(1)] if new else [])).tolist()
+    counts = numbers[0]
     loaded = [None] * count
-    if new and any(numbers[2]):
+    if new and any(numbers[1]):
         stores = [layer.detail_store for layer in layers]
         parts = [load_layers(stores, [layer.detail[b][t] for layer in layers], device, layers[0].dtype)
                  for t in new]  # per thought, per layer (K, V)
@@ -111,39 +103,40 @@ def plan_row(cache: "ThoughtCache", layers: list, b: int, cut: int) -> list[tupl
         # sources point past the row; the row's gather reads slot 0 for them instead, then they are put in place.
         outside = src >= widths[which]
         from_detail = outside.nonzero().squeeze(1)
-        into = (flat - (ends - kept)[which])[from_detail].split(numbers[2])
-        origin = (src[from_detail] - widths[which[from_detail]]).split(numbers[2])
+        flat, ends = torch.arange(len(which), device=device), kept.cumsum(0)
+        into = (flat - (ends - kept)[which])[from_detail].split(numbers[1])
+        origin = (src[from_detail] - widths[which[from_detail]]).split(numbers[1])
         src = src.masked_fill(outside, 0)
         loaded = [(torch.cat([part[i][0] for part in parts], 1), torch.cat([part[i][1] for part in parts], 1),
-                   into[i], origin[i]) if numbers[2][i] else None for i in range(count)]
-    return list(zip(pos.split(counts), src.split(counts), loaded, moving))
+                   into[i], origin[i]) if numbers[1][i] else None for i in range(count)]
+    return list(zip(pos.split(counts), src.split(counts), loaded))
 
 
 def write_rows(layer: "ThoughtLayer", plans: dict) -> None:
-    """Rows rebuilt from their plans (`plan_row`: positions, sources, loaded K/V, how many of them
-    move), in place: each planned row is gathered from its current slots and the loaded tokens and written
-    right-aligned, empty slots in front (position -1); the slots after the last one that moves (the tail, mostly)
-    are not touched, and every other row is left as it is. The buffer widens only when a row needs more slots
-    than it has and loses the columns that are empty in every row."""
+    """Rows rebuilt from their plans (`plan_row`: positions, sources, loaded K/V): each
+    planned row's slot list is gathered from its current slots, the loaded tokens written into free slots of the
+    layer's pool (kvzip.methods.thoughts.pool), and the list written right-aligned, empty slots in front (-1); no
+    kept token moves in the pool, and every other row is left as it is. The lists widen only when a row needs more
+    slots than they have and lose the columns that are empty in every row; the slots no row holds are freed."""
     rows = {}
-    for b, (pos, src, loaded, moving) in plans.items():
-        # index_select: 4x faster than the same gather written k[:, src] (CPU, 300 slots)
-        k, v = layer.keys[b].index_select(1, src[:moving]), layer.values[b].index_select(1, src[:moving])
-        if loaded is not None:  # the loaded tokens in their places
+    for b, (pos, src, loaded) in plans.items():
+        slots = layer.slots[b].index_select(0, src)
+        if loaded is not None:  # the loaded tokens in fresh slots
             lk, lv, into, origin = loaded
-            k.index_copy_(1, into, lk.index_select(1, origin))
-            v.index_copy_(1, into, lv.index_select(1, origin))
-        rows[b] = k, v, pos
-    need = max((p.numel() for _, _, p in rows.values()), default=0)
-    width = layer.keys.shape[2]
-    if need > width:  # widen on the left (older slots are further left in every row), zeros: no NaN to mask
-        for name, fill in (("keys", 0), ("values", 0), ("positions", -1)):
-            layer.prepend(name, need - width, fill)
+            fresh = layer.pool.take(len(into))
+            layer.pool.put(fresh, lk.index_select(1, origin), lv.index_select(1, origin))
+            slots.index_copy_(0, into, fresh)
+        rows[b] = slots, pos
+    need = max((p.numel() for _, p in rows.values()), default=0)
+    width = layer.slots.shape[1]
+    if need > width:  # widen on the left (older slots are further left in every row)
+        for name in ("slots", "positions"):
+            layer.prepend(name, need - width, -1)
         width = need
-    for b, (k, v, p) in rows.items():
+    for b, (slots, p) in rows.items():
         n = layer.lengths[b] = p.numel()
-        layer.keys[b, :, width - n : width - n + k.shape[1]] = k  # the rest of the row is where it was
-        layer.values[b, :, width - n : width - n + k.shape[1]] = v
+        layer.slots[b, width - n :] = slots
+        layer.slots[b, : width - n] = -1
         layer.positions[b, width - n :] = p
         layer.positions[b, : width - n] = -1
     if layer.sliding is None:  # the columns no row uses lead, rows being right-aligned
@@ -152,5 +145,5 @@ def write_rows(layer: "ThoughtLayer", plans: dict) -> None:
         layer.lengths = (layer.positions >= 0).sum(1).tolist()
         drop = int((layer.positions < 0).all(0).long().cumprod(0).sum())
     if drop:
-        layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
-        layer.positions = layer.positions[:, drop:]
+        layer.slots, layer.positions = layer.slots[:, drop:], layer.positions[:, drop:]
+    layer.pool.release(layer.slots)
