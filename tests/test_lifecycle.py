@@ -52,8 +52,8 @@ def test_hooks_wrap_every_forward_and_no_cache_wide_work_inside_it(tiny, tokeniz
 
     monkeypatch.setattr(fadkv, "compress", outside("compress", fadkv.compress))
     monkeypatch.setattr(thoughts, "rebuild_rows", outside("rebuild", thoughts.rebuild_rows))
-    for attr in ("_finalize", "cast_votes"):
-        monkeypatch.setattr(thoughts.ThoughtCache, attr, outside(attr, getattr(thoughts.ThoughtCache, attr)))
+    monkeypatch.setattr(thoughts, "finalize", outside("finalize", thoughts.finalize))
+    monkeypatch.setattr(thoughts.ThoughtCache, "cast_votes", outside("cast_votes", thoughts.ThoughtCache.cast_votes))
     cache = _cache(request, tiny, name)
     for hook in ("before_forward", "after_forward"):
         monkeypatch.setattr(cache, hook, outside(hook, getattr(cache, hook)))
@@ -68,7 +68,7 @@ def test_hooks_wrap_every_forward_and_no_cache_wide_work_inside_it(tiny, tokeniz
     if name in ("fadkv", "lexico"):
         assert "compress" in events
     if name in ("zoomr", "sumr"):
-        assert "_finalize" in events
+        assert "finalize" in events
 
 
 @pytest.mark.parametrize("name", METHOD_NAMES)

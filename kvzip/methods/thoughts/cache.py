@@ -29,12 +29,12 @@ import torch
 from kvzip import kernels
 from kvzip.attention import causal_tail, decode_path, gather_mask, grouped_attention
 from kvzip.methods.base import DenseLayer, KVCache, KVLayer, tensor_bytes
-from kvzip.methods.thoughts.detail import part_bytes, store_layers
+from kvzip.methods.thoughts.detail import part_bytes
+from kvzip.methods.thoughts.finalize import finalize
 from kvzip.methods.thoughts.index import Ballot, head_votes, stack_index
 from kvzip.methods.thoughts.pool import TokenPool
 from kvzip.methods.thoughts.rebuild import rebuild_rows
 from kvzip.methods.thoughts.segment import Row, Segmentation
-from kvzip.methods.thoughts.summary import pick_summary
 from kvzip.rope import unrotate, visible_from
 
 
@@ -293,78 +293,13 @@ class ThoughtCache(KVCache):
         the votes cast, and sliding-window layers drop what their next query cannot see."""
         t0 = time.perf_counter()
         for b, t in self.finishing:
-            self._finalize(b, t)
+            finalize(self, b, t)
         if self.any_voting:
             self.cast_votes()
         for layer in self.layers:
             if layer.sliding is not None:
                 layer._slide()
         self.overhead_s += time.perf_counter() - t0
-
-    def _finalize(self, b: int, t: int):
-        """Thought t of row b ended in this forward (all its tokens are in the tail): every layer keeps its summary
-        and index key and moves the thought's detail off the device. Rows are right-aligned and end with the tail,
-        sorted, which holds every position from its start on, so in each layer the thought is a slice at the end of
-        the row; layers that share a RoPE, a kind of attention and that slice do it in one batched pass. (A
-        sliding-window layer may have dropped the thought's first tokens already: it works on what it still has.)"""
-        start = self.rows[b].thoughts[t][0]
-        groups: dict[tuple, list[ThoughtLayer]] = {}
-        for layer in self.layers:
-            first = max(start, visible_from(self.seen - self.q_len, layer.sliding))
-            groups.setdefault((id(layer.rope), layer.sliding is not None, first, layer.device), []).append(layer)
-        index = [self._finalize_group(layers, b, t, first, sliding) for (_, sliding, first, _), layers in groups.items()]
-        if self.config.zoom is None:
-            return
-        if len(groups) > 1:  # every layer's index key in layer order
-            at = torch.tensor([layer.idx for layers in groups.values() for layer in layers], device=index[0].device)
-            stacked = torch.cat([i.to(index[0].device) for i in index])  # a split model: the index lives with layer 0
-            index = [torch.empty_like(stacked).index_copy_(0, at, stacked)]
-        self.index_rows[b].append(index[0])
-        self.index_keys = None
-        for layer in self.layers:
-            layer.index[b].append(index[0][layer.idx])  # a view: each layer's memory() counts its part
-            layer.index_bytes += tensor_bytes(layer.index[b][-1])
-            layer.stacked = None
-
-    def _finalize_group(self, layers: list, b: int, t: int, first: int, sliding: bool) -> torch.Tensor | None:
-        """_finalize for `layers`, which hold thought t of row b from position `first` on; returns their index keys
-        (L, Hkv, d) when the cache zooms in."""
-        config, row, seen = self.config, self.rows[b], self.seen
-        end, span, m = row.thoughts[t][1], row.spans[t], seen - first
-        n = max(end - first, 0)
-        tokens = [layer.row_tokens(b, layer.slots.shape[1] - m) for layer in layers]
-        keys = torch.stack([k for k, _ in tokens])  # (L, Hkv, m, d)
-        values = torch.stack([v for _, v in tokens])
-        device, rope = keys.device, layers[0].rope
-        if span is not None:
-            keep = torch.arange(max(span[0], first) - first, span[1] - first, device=device).expand(len(layers), -1)
-        elif config.summary_pick == "novel":  # compared with the row's real tokens before the thought
-            widths = [layer.slots.shape[1] - m for layer in layers]
-            before = keys.new_zeros(len(layers), keys.shape[1], max(widths), keys.shape[3], dtype=torch.float32)
-            before_pos = torch.full((len(layers), max(widths)), -1, dtype=torch.long, device=device)
-            for i, (layer, w) in enumerate(zip(layers, widths)):  # fp32 as they are copied: novelty works in fp32
-                before[i, :, :w] = layer.row_tokens(b, 0, w)[0]
-                before_pos[i, :w] = layer.positions[b, :w]
-            keep = pick_summary(keys[:, :, :n], torch.arange(first, first + n, device=device), config.summary_tokens,
-                                "novel", rope, before, before_pos, before_pos >= row.keep[0][0])
-        else:
-            keep = pick_summary(keys[:, :, :n], None, config.summary_tokens, config.summary_pick)
-        kept_pos = keep + first  # (L, r)
-        index = None
-        if config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
-            kept = keys[torch.arange(len(layers), device=device)[:, None], :, keep].transpose(1, 2)  # (L, Hkv, r, d)
-            index = unrotate(kept, kept_pos[:, None], rope).mean(2) if keep.shape[1] else keys.new_zeros(
-                len(layers), keys.shape[1], keys.shape[3])  # (L, Hkv, d)
-        detail = None
-        if layers[0].detail_store is not None:
-            detail = store_layers([layer.detail_store for layer in layers], keys[:, :, :n], values[:, :, :n], sliding)
-        for i, layer in enumerate(layers):
-            layer.summary_pos[b].append(kept_pos[i])
-            layer.summary_all[b] = torch.cat([layer.summary_all[b], kept_pos[i]])
-            if detail is not None:
-                layer.detail[b].append(detail[i])
-                layer.host_bytes += part_bytes(detail[i])
-        return index
 
     def cast_votes(self):
         """After the last layer has attended: the query heads of every layer (`queries`, gathered during the
