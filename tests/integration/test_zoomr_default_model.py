@@ -35,8 +35,10 @@ def test_zoomr_device_bytes_below_full_and_detail_on_host():
 def test_a_batch_holds_what_its_rows_hold_alone(default_model):
     """Rows of different lengths in one batch (each zooms in on its own thoughts): the device tier of the batch is the
     sum of its rows' device tiers alone within 5%, at the end and at the peak (the token pool,
-    kvzip/methods/thoughts/pool.py)."""
+    kvzip/methods/thoughts/pool.py). The rows are fed the same tokens both ways (what the batch generated), so that
+    they hold the same thoughts."""
     from kvzip import engine
+    from kvzip.bench.recall import forced_decode
     from kvzip.methods import get_method
 
     model, tokenizer, _ = default_model
@@ -45,13 +47,17 @@ def test_a_batch_holds_what_its_rows_hold_alone(default_model):
                  "Tom has 3 apples.", "List three prime numbers and say why each is prime, one paragraph each."]
     prompts = [engine.encode(tokenizer, q) for q in questions]
     settings = engine.Settings(max_new_tokens=300, ignore_eos=True)
+    cache = get_method("zoomr").make_cache(model)
+    forced = [e.token_ids for e in engine.generate(model, tokenizer, prompts, cache, settings)
+              if isinstance(e, engine.Result)]
 
-    def device_bytes(batch):
-        events = list(engine.generate(model, tokenizer, batch, get_method("zoomr").make_cache(model), settings))
-        stats = [e for e in events if isinstance(e, engine.Summary)][0].stats
-        return stats["kv_bytes_by_tier"]["device"], stats["kv_bytes_device_peak"]
+    def device_bytes(rows):
+        cache = get_method("zoomr").make_cache(model)
+        report = forced_decode(model, tokenizer, cache, [prompts[i] for i in rows], [forced[i] for i in rows])[3]
+        return report["kv_bytes_by_tier"]["device"], report["kv_bytes_device_peak"], cache.stats()["thoughts_indexed"]
 
-    final, peak = device_bytes(prompts)
-    alone = [device_bytes([p]) for p in prompts]
+    final, peak, thoughts = device_bytes(range(len(prompts)))
+    alone = [device_bytes([i]) for i in range(len(prompts))]
+    assert thoughts == [a[2][0] for a in alone] and min(thoughts) >= 2  # the same thoughts, rows of their own
     assert abs(final / sum(a[0] for a in alone) - 1) < 0.05
     assert peak < 1.05 * sum(a[1] for a in alone)
