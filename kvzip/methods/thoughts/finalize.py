@@ -53,19 +53,22 @@ def finalize_group(cache: "ThoughtCache", layers: list, b: int, t: int, first: i
     config, row, seen = cache.config, cache.rows[b], cache.seen
     end, span, m = row.thoughts[t][1], row.spans[t], seen - first
     n = max(end - first, 0)
-    tokens = [layer.row_tokens(b, layer.slots.shape[1] - m) for layer in layers]
-    keys = torch.stack([k for k, _ in tokens])  # (L, Hkv, m, d)
-    values = torch.stack([v for _, v in tokens])
+    novel = span is None and config.summary_pick == "novel"  # compared with the row's real tokens before the thought
+    # each layer's row from its first real slot (novel) or the thought's slice at its end: one gather per layer
+    tokens = [layer.row_tokens(b, max(layer.slots.shape[1] - (layer.lengths[b] if novel else m), 0))
+              for layer in layers]
+    keys = torch.stack([k[:, k.shape[1] - m:] for k, _ in tokens])  # (L, Hkv, m, d)
+    values = torch.stack([v[:, v.shape[1] - m:] for _, v in tokens])
     device, rope = keys.device, layers[0].rope
     if span is not None:
         keep = torch.arange(max(span[0], first) - first, span[1] - first, device=device).expand(len(layers), -1)
-    elif config.summary_pick == "novel":  # compared with the row's real tokens before the thought
-        widths = [layer.slots.shape[1] - m for layer in layers]
+    elif novel:
+        widths = [k.shape[1] - m for k, _ in tokens]
         before = keys.new_zeros(len(layers), keys.shape[1], max(widths), keys.shape[3], dtype=torch.float32)
         before_pos = torch.full((len(layers), max(widths)), -1, dtype=torch.long, device=device)
-        for i, (layer, w) in enumerate(zip(layers, widths)):  # fp32 as they are copied: novelty works in fp32
-            before[i, :, :w] = layer.row_tokens(b, 0, w)[0]
-            before_pos[i, :w] = layer.positions[b, :w]
+        for i, (layer, (k, _), w) in enumerate(zip(layers, tokens, widths)):  # fp32 as copied: novelty works in fp32
+            before[i, :, :w] = k[:, :w]
+            before_pos[i, :w] = layer.positions[b, layer.positions.shape[1] - w - m : layer.positions.shape[1] - m]
         keep = pick_summary(keys[:, :, :n], torch.arange(first, first + n, device=device), config.summary_tokens,
                             "novel", rope, before, before_pos, before_pos >= row.keep[0][0])
     else:
