@@ -289,8 +289,8 @@ def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
         tries.append({"rows": rows, "kv_bytes_peak": peak, "decode_tokens_per_s": summary["decode_tokens_per_s"]})
         if peak <= budget or rows == 1 or len(tries) == CAPACITY_TRIES:
             break
-        # A batch can hold more per row than the one-row probe (zoomr's rows are padded to the widest; each row
-        # zooms on its own thoughts): shrink by the share it overshot and measure again.
+        # A batch can hold more per row than the one-row probe (each row of a thought cache zooms on its own
+        # thoughts): shrink by the share it overshot and measure again.
         rows = max(1, min(rows - 1, rows * budget // peak))
     return {
         "kv_budget": budget,
