@@ -26,6 +26,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--methods", default="full,fadkv,zoomr")
+    ap.add_argument("--opt", action="append", default=[],
+                    help='a method option, "method.key=value", e.g. "full.attention=kvzip" (repeatable)')
     ap.add_argument("--method-set", action="append", default=[],
                     help='one more setting, "method:key=value,...", e.g. "full:attention=kvzip" (repeatable)')
     ap.add_argument("--batch", type=int, default=8)
@@ -52,7 +54,7 @@ def main() -> None:
     from kvzip.models import load_model
 
     try:
-        settings = parse_settings(args.methods, None, args.method_set, list(METHODS))  # full first
+        settings = parse_settings(args.methods, args.opt, args.method_set, list(METHODS))  # full first
         names = [s.label for s in settings]
         if args.json_path:
             check_writable(args.json_path)
