@@ -27,7 +27,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--methods", default="full,fadkv,zoomr")
     ap.add_argument("--opt", action="append", default=[],
-                    help='a method option, "method.key=value", e.g. "full.attention=kvzip" (repeatable)')
+                    help='a method option, "method.key=value" (repeatable); as in `kvzip bench`, the run keeps stock '
+                         '`full` as the reference and adds the optioned method under its own label')
     ap.add_argument("--method-set", action="append", default=[],
                     help='one more setting, "method:key=value,...", e.g. "full:attention=kvzip" (repeatable)')
     ap.add_argument("--batch", type=int, default=8)
