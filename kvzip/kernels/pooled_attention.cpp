@@ -57,7 +57,9 @@ void attend(const Args& a) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t w = 0; w < a.W; ++w) {
       const int64_t s = a.slots[b * a.s_b + w];
-      if (s < 0 || a.positions[b * a.ps_b + w] < a.first[b]) continue;
+      if (s < 0) continue;
+      TORCH_CHECK(s < N, "a slot (", s, ") lies outside the pool of ", N, " tokens");
+      if (a.positions[b * a.ps_b + w] < a.first[b]) continue;
       TORCH_CHECK(owner[s] < 0, "pooled_decode_attention: slot ", s, " is held twice");
       owner[s] = static_cast<int32_t>(b);
     }
@@ -192,11 +194,7 @@ Tensor pooled_decode_attention(const Tensor& q, const Tensor& keys, const Tensor
               "positions must be (B, W) int64 like slots");
   TORCH_CHECK(first.scalar_type() == at::kLong && first.is_contiguous() && first.numel() == B,
               "first must be (B,) int64");
-  const int64_t W = slots.size(1);
-  if (W && B) {
-    const int64_t top = slots.max().item<int64_t>();
-    TORCH_CHECK(top < keys.size(1), "a slot (", top, ") lies outside the pool of ", keys.size(1), " tokens");
-  }
+  const int64_t W = slots.size(1);  // each slot is checked against the pool's size as its owner is recorded
   Tensor out = at::empty({B, H, G, d}, q.options());
   Args a{B, H, G, d, W, keys.size(1), q.data_ptr<float>(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
          keys.stride(1),

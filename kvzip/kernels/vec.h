@@ -57,16 +57,24 @@ inline float hsum(vf v) {  // pairwise, in four shuffles and adds
 inline vf transpose_sum(const vf* x) {
   vf s1[8], s2[4], s3[2];
   for (int i = 0; i < 8; ++i)  // lanes 0-7: x[2i]'s eight partial sums, 8-15: x[2i + 1]'s
-    s1[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-            __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    s1[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1],
+                                    0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(x[2 * i], x[2 * i + 1],
+                                    8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int i = 0; i < 4; ++i)  // four partial sums each of x[4i .. 4i + 3]
-    s2[i] = __builtin_shufflevector(s1[2 * i], s1[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-            __builtin_shufflevector(s1[2 * i], s1[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    s2[i] = __builtin_shufflevector(s1[2 * i], s1[2 * i + 1],
+                                    0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(s1[2 * i], s1[2 * i + 1],
+                                    4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   for (int i = 0; i < 2; ++i)  // two each of x[8i .. 8i + 7]
-    s3[i] = __builtin_shufflevector(s2[2 * i], s2[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-            __builtin_shufflevector(s2[2 * i], s2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(s3[0], s3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(s3[0], s3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    s3[i] = __builtin_shufflevector(s2[2 * i], s2[2 * i + 1],
+                                    0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            __builtin_shufflevector(s2[2 * i], s2[2 * i + 1],
+                                    2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(s3[0], s3[1],
+                                    0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(s3[0], s3[1],
+                                    1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // the dot product of two rows of nv vectors

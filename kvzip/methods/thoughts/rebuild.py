@@ -39,15 +39,15 @@ def rebuild_rows(cache: "ThoughtCache", moved: list[int]) -> None:
 
 
 def plan_row(cache: "ThoughtCache", layers: list, b: int, cut: int) -> list[tuple]:
-    """Row b's active context in each of `layers`: the kept prompt, the tail, the layer's summaries and the
-    zoomed thoughts, none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and V (Hkv, m, d) and
-    where they go, or None), sources indexing the layer's current row followed by the loaded tokens.
-    Order: on a full-attention layer the zoomed thoughts' other tokens (neither summary nor tail) come first, then
-    everything else by position (attention does not care about order; the tail stays last and sorted). A sliding-window layer keeps the whole row by position: it
-    drops what leaves its window from the front. A thought zoomed at the row's last gather is whole in the buffer
-    still; only newly zoomed ones are loaded, and of those only what a layer does not hold (its own summary tokens
-    it does). All of it is planned as masks over positions (L, seen + 1; the last column takes what pads a
-    shorter layer), one read back for the counts."""
+    """Row b's active context in each of `layers`: the kept prompt, the tail, the layer's summaries and the zoomed
+    thoughts, none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and V (Hkv, m, d) and where they
+    go, or None), sources indexing the layer's current row followed by the loaded tokens. Order: on a full-attention
+    layer the zoomed thoughts' other tokens (neither summary nor tail) come first, then everything else by position
+    (attention does not care about order; the tail stays last and sorted). A sliding-window layer keeps the whole
+    row by position: it drops what leaves its window from the front. A thought zoomed at the row's last gather is
+    whole in the buffer still; only newly zoomed ones are loaded, and of those only what a layer does not hold (its
+    own summary tokens it does). All of it is planned as masks over positions (L, seen + 1; the last column takes
+    what pads a shorter layer), one read back for the counts."""
     row, seen, pad = cache.rows[b], cache.seen, torch.nn.utils.rnn.pad_sequence
     device, count = layers[0].device, len(layers)
     base = torch.zeros(seen + 1, dtype=torch.bool, device=device)
