@@ -15,18 +15,21 @@ from __future__ import annotations
 import torch
 
 from kvzip.methods.thoughts.index import ranked
-from kvzip.rope import unrotate
+from kvzip.rope import as_rope, phasors, to_pairs, turn_pairs
 
 SUMMARY_SOURCES = ("pooled", "generated")
 SUMMARY_PICKS = ("norm", "novel")
 
 
-def novelty(mine: torch.Tensor, seen: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def novelty(mine: torch.Tensor, seen: torch.Tensor, valid: torch.Tensor | None = None,
+            seen_unit: bool = False) -> torch.Tensor:
     """Content keys of the thought's tokens (L, Hkv, n, d) against those before it (L, Hkv, R, d), of which `valid`
-    (L, R) are real (default all) -> novelty (L, n). L is layers done at once (any leading dims work)."""
+    (L, R) are real (default all) -> novelty (L, n). L is layers done at once (any leading dims work). `seen_unit`:
+    `seen` is already of unit length (or zero), so it is not normalized again."""
     if seen.shape[-2] == 0:
         return mine.norm(dim=-1).sum(-2)
-    cos = torch.nn.functional.normalize(mine, dim=-1) @ torch.nn.functional.normalize(seen, dim=-1).transpose(-1, -2)
+    unit = torch.nn.functional.normalize
+    cos = unit(mine, dim=-1) @ (seen if seen_unit else unit(seen, dim=-1)).transpose(-1, -2)
     if valid is not None:
         cos = cos.masked_fill(~valid[..., None, None, :], float("-inf"))
     score = (1 - cos.amax(-1)).sum(-2)  # (L, n)
@@ -46,8 +49,17 @@ def pick_summary(mine: torch.Tensor, pos: torch.Tensor, count: int, pick: str, r
     """
     count = min(count, mine.shape[-2])
     if pick == "novel":
-        seen = unrotate(before.float(), before_pos[:, None], rope)
-        score = novelty(unrotate(mine.float(), pos, rope), seen, valid)
+        score = novelty(_content(mine, pos, rope), _content(before, before_pos[:, None], rope, unit=True), valid,
+                        seen_unit=True)
     else:
         score = mine.norm(dim=-1).sum(-2)
     return ranked(score)[..., :count].sort(-1).values
+
+
+def _content(keys: torch.Tensor, pos: torch.Tensor, rope, unit: bool = False) -> torch.Tensor:
+    """Keys (..., n, d) at positions pos with RoPE undone, fp32, channels in `to_pairs` order (cosines do not depend
+    on the order), scaled to unit length in place when `unit`. One complex product per pair and no second copy:
+    this runs over every key before a thought, in every layer, at each thought's end."""
+    rope = as_rope(rope)
+    x = turn_pairs(to_pairs(keys.float(), rope.dim).contiguous(), phasors(pos, rope, inverse=True))
+    return x.div_(x.norm(dim=-1, keepdim=True).clamp_min_(1e-12)) if unit else x
