@@ -98,7 +98,9 @@ def test_capacity_fills_the_budget_full_needs_for_eight_rows(tiny_run):
         assert r["kv_budget"] == full["kv_budget"]  # one budget for every method
         first = r["tries"][0]["rows"]
         assert first == min(24, r["kv_budget"] // r["kv_bytes_per_row"]) and r["new_tokens"] == 40 * r["rows"]
-        assert r["rows"] == r["tries"][-1]["rows"] and (r["fits"] or len(r["tries"]) == 3 or r["rows"] == 1)
+        fit = [t["rows"] for t in r["tries"] if t["kv_bytes_peak"] <= r["kv_budget"]]
+        assert r["rows"] == (max(fit) if fit else r["tries"][-1]["rows"]) and r["fits"] == bool(fit)
+        assert len(r["tries"]) <= 3 and len({t["rows"] for t in r["tries"]}) == len(r["tries"])
         assert r["rows_device_tier"] >= r["rows"]
         if r["method"] in ("window", "h2o", "hf-int2") and not r["rows_capped"]:
             assert r["rows"] > 8, label  # a smaller cache buys a larger batch
@@ -122,6 +124,29 @@ def test_capacity_shrinks_a_batch_that_overshoots_the_budget(monkeypatch):
     r = workloads.capacity(ctx, "m", None, None)
     assert ran == [1, 16, 12] and r["rows"] == 12 and r["fits"] and r["kv_bytes_peak"] == 1560
     assert [t["rows"] for t in r["tries"]] == [16, 12] and r["decode_tokens_per_s"] == 12.0
+
+
+@pytest.mark.parametrize("crowded, expect", [(80, [16, 20]), (95, [16, 20, 16])])
+def test_capacity_grows_a_batch_that_lands_under_the_budget(monkeypatch, crowded, expect):
+    """A batch that holds less per row than the one-row probe is grown to what its own bytes per row allow; when the
+    grown batch overshoots (rows past 18 hold `crowded` bytes each), the largest batch that fit is the result."""
+    from kvzip.bench import workloads
+
+    ran = []
+
+    def fake_run(ctx, method, dictionaries, prompts, settings):
+        ran.append(len(prompts))
+        per_row = 100 if len(prompts) == 1 else (80 if len(prompts) <= 18 else crowded)
+        return [], {"kv_bytes_peak": per_row * len(prompts), "kv_bytes_device_peak": per_row * len(prompts),
+                    "decode_tokens_per_s": float(len(prompts)), "new_tokens": 4 * len(prompts)}, []
+
+    monkeypatch.setattr(workloads, "_run_generate", fake_run)
+    monkeypatch.setattr(workloads, "capacity_prompts", lambda ctx, rows: [[1]] * rows)
+    ctx = types.SimpleNamespace(cfg=BenchConfig(capacity_tokens=4), ref={"capacity_budget": 1600})
+    r = workloads.capacity(ctx, "m", None, None)
+    assert ran == [1] + expect[:2] and [t["rows"] for t in r["tries"]] == expect[:2]
+    assert r["rows"] == expect[-1] and r["fits"] and r["decode_tokens_per_s"] == float(expect[-1])
+    assert r["kv_bytes_peak"] == 80 * expect[-1]
 
 
 def test_progress_counts_up_to_the_total(tiny_run):

@@ -267,12 +267,14 @@ def _capacity_probe(ctx: Context, method, dictionaries) -> tuple[engine.Settings
     return settings, probe
 
 
-CAPACITY_TRIES = 3  # batches measured at most, each smaller by what the last one overshot the budget
+CAPACITY_TRIES = 3  # batches measured at most, each sized by the bytes per row of the last one
 
 
 def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
-    """The largest batch whose KV bytes, all tiers, fit the budget (sized from one row's measured peak, then shrunk
-    while the batch's own peak overshoots), and that batch's aggregate decode tok/s."""
+    """The largest batch whose KV bytes, all tiers, fit the budget, and that batch's aggregate decode tok/s. The first
+    batch is sized from one row's measured peak; each next one from the last batch's own bytes per row (a row in a
+    batch can hold more or less than alone: a thought cache zooms on each row's own thoughts), grown while it fits
+    with room for another row, shrunk while it overshoots, never to a size already measured."""
     from kvzip.bench.config import FULL_ROWS_IN_BUDGET
 
     cfg = ctx.cfg
@@ -282,25 +284,31 @@ def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
         ctx.ref["capacity_budget"] = cfg.kv_budget or FULL_ROWS_IN_BUDGET * per_row
     budget = ctx.ref["capacity_budget"]
     rows = max(1, min(cfg.capacity_max_rows, budget // max(per_row, 1)))
-    tries = []
+    tries, best = [], None  # best: (rows, summary) of the largest batch that fit
     while True:
         _, summary, _ = _run_generate(ctx, method, dictionaries, capacity_prompts(ctx, rows), settings)
         peak = summary["kv_bytes_peak"]
         tries.append({"rows": rows, "kv_bytes_peak": peak, "decode_tokens_per_s": summary["decode_tokens_per_s"]})
-        if peak <= budget or rows == 1 or len(tries) == CAPACITY_TRIES:
+        if peak <= budget and (best is None or rows > best[0]):
+            best = (rows, summary)
+        fitting = max(1, min(cfg.capacity_max_rows, rows * budget // max(peak, 1)))
+        nxt = fitting if peak <= budget else min(rows - 1, fitting)
+        if (len(tries) == CAPACITY_TRIES or nxt < 1 or nxt in {t["rows"] for t in tries}
+                or (best is not None and nxt <= best[0])):
             break
-        # A batch can hold more per row than the one-row probe (each row of a thought cache zooms on its own
-        # thoughts): shrink by the share it overshot and measure again.
-        rows = max(1, min(rows - 1, rows * budget // peak))
+        rows = nxt
+    rows, summary = best or (rows, summary)
+    peak = summary["kv_bytes_peak"]
     return {
         "kv_budget": budget,
         "kv_bytes_per_row": per_row,
         "kv_bytes_device_per_row": per_row_device,
-        "rows": rows,  # the largest batch whose bytes, all tiers, fit the budget (the last try)
-        "rows_device_tier": int(min(cfg.capacity_max_rows, budget // max(per_row_device, 1))),
+        "rows": rows,  # the largest batch measured whose bytes, all tiers, fit the budget (else the last one)
+        # the rows that would fit with the device tier alone counted, at this batch's device bytes per row
+        "rows_device_tier": int(min(cfg.capacity_max_rows, rows * budget // max(summary["kv_bytes_device_peak"], 1))),
         "rows_capped": rows == cfg.capacity_max_rows,
         "fits": peak <= budget,
-        "tries": tries,  # each batch measured, until one fit
+        "tries": tries,  # each batch measured, in order
         "single_row_decode_tokens_per_s": probe["decode_tokens_per_s"],
         "new_tokens": summary["new_tokens"],
         **{k: v for k, v in summary.items() if k.startswith("kv_")},
