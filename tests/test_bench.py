@@ -93,11 +93,14 @@ def test_capacity_fills_the_budget_full_needs_for_eight_rows(tiny_run):
     data, _ = tiny_run
     cap = {r["label"]: r for r in data["results"] if r["workload"] == "capacity"}
     full = cap["full"]
-    assert full["kv_budget"] == 8 * full["kv_bytes_per_row"] and full["rows"] == 8 and full["fits"]
+    assert full["kv_budget"] == full["kv_bytes_peak"] and full["rows"] == 8 and full["fits"]  # its 8-row batch
+    assert full["tries"] == full["tries"][:1]  # the budget is its own batch: nothing to grow or shrink
     for label, r in cap.items():
         assert r["kv_budget"] == full["kv_budget"]  # one budget for every method
         first = r["tries"][0]["rows"]
-        assert first == min(24, r["kv_budget"] // r["kv_bytes_per_row"]) and r["new_tokens"] == 40 * r["rows"]
+        if label != "full":
+            assert first == min(24, r["kv_budget"] // r["kv_bytes_per_row"])
+        assert r["new_tokens"] == 40 * r["rows"]
         fit = [t["rows"] for t in r["tries"] if t["kv_bytes_peak"] <= r["kv_budget"]]
         assert r["rows"] == (max(fit) if fit else r["tries"][-1]["rows"]) and r["fits"] == bool(fit)
         assert len(r["tries"]) <= 3 and len({t["rows"] for t in r["tries"]}) == len(r["tries"])
@@ -124,6 +127,18 @@ def test_capacity_shrinks_a_batch_that_overshoots_the_budget(monkeypatch):
     r = workloads.capacity(ctx, "m", None, None)
     assert ran == [1, 16, 12] and r["rows"] == 12 and r["fits"] and r["kv_bytes_peak"] == 1560
     assert [t["rows"] for t in r["tries"]] == [16, 12] and r["decode_tokens_per_s"] == 12.0
+
+
+def test_a_process_without_full_capacity_cell_gets_the_same_budget(tiny, tokenizer, tiny_run):
+    """A resumed run or a rank that does not measure full's capacity cell runs full's 8-row batch for the budget."""
+    from kvzip.bench import workloads
+    from kvzip.methods import get_method
+
+    data, _ = tiny_run
+    budget = next(r for r in data["results"] if r["workload"] == "capacity" and r["label"] == "full")["kv_budget"]
+    ctx = workloads.Context(tiny, tokenizer, TINY)
+    workloads.reference(ctx, "capacity", get_method("full"))
+    assert ctx.ref["capacity_budget"] == budget
 
 
 @pytest.mark.parametrize("crowded, expect", [(80, [16, 20]), (95, [16, 20, 16])])

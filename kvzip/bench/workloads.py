@@ -271,8 +271,9 @@ CAPACITY_TRIES = 3  # batches measured at most, each sized by the bytes per row 
 
 
 def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
-    """The largest batch whose KV bytes, all tiers, fit the budget, and that batch's aggregate decode tok/s. The first
-    batch is sized from one row's measured peak; each next one from the last batch's own bytes per row (a row in a
+    """The largest batch whose KV bytes, all tiers, fit the budget, and that batch's aggregate decode tok/s. The budget
+    (unless --kv-budget) is what `full`'s batch of FULL_ROWS_IN_BUDGET rows held at its peak. The first batch is
+    sized from one row's measured peak (the longest prompt: a conservative guess); each next one from the last batch's own bytes per row (a row in a
     batch can hold more or less than alone: a thought cache zooms on each row's own thoughts), grown while it fits
     with room for another row, shrunk while it overshoots, never to a size already measured."""
     from kvzip.bench.config import FULL_ROWS_IN_BUDGET
@@ -280,14 +281,15 @@ def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
     cfg = ctx.cfg
     settings, probe = _capacity_probe(ctx, method, dictionaries)
     per_row, per_row_device = probe["kv_bytes_peak"], probe["kv_bytes_device_peak"]
-    if label == "full":
-        ctx.ref["capacity_budget"] = cfg.kv_budget or FULL_ROWS_IN_BUDGET * per_row
-    budget = ctx.ref["capacity_budget"]
-    rows = max(1, min(cfg.capacity_max_rows, budget // max(per_row, 1)))
+    # full's own first batch sets the default budget (below); the other settings read it from full's run
+    budget = cfg.kv_budget or (None if label == "full" else ctx.ref["capacity_budget"])
+    rows = FULL_ROWS_IN_BUDGET if budget is None else max(1, min(cfg.capacity_max_rows, budget // max(per_row, 1)))
     tries, best = [], None  # best: (rows, summary) of the largest batch that fit
     while True:
         _, summary, _ = _run_generate(ctx, method, dictionaries, capacity_prompts(ctx, rows), settings)
         peak = summary["kv_bytes_peak"]
+        if budget is None:
+            budget = ctx.ref["capacity_budget"] = peak
         tries.append({"rows": rows, "kv_bytes_peak": peak, "decode_tokens_per_s": summary["decode_tokens_per_s"]})
         if peak <= budget and (best is None or rows > best[0]):
             best = (rows, summary)
@@ -345,11 +347,13 @@ def needs_reference(cfg, workload: str) -> bool:
 def reference(ctx: Context, workload: str, full) -> None:
     """What `full`'s run of `workload` leaves for the other settings, for a process that does not measure `full`'s
     cell itself (a rank of a data-parallel bench, a resumed run): the same run, its record dropped; for capacity only
-    the one-row probe that sets the budget."""
+    the batch of FULL_ROWS_IN_BUDGET rows that sets the budget."""
     from kvzip.bench.config import FULL_ROWS_IN_BUDGET
 
     if workload == "capacity":
-        ctx.ref["capacity_budget"] = ctx.cfg.kv_budget or FULL_ROWS_IN_BUDGET * _capacity_probe(ctx, full, None)[1]["kv_bytes_peak"]
+        settings = engine.Settings(max_new_tokens=ctx.cfg.capacity_tokens, ignore_eos=True)
+        _, summary, _ = _run_generate(ctx, full, None, capacity_prompts(ctx, FULL_ROWS_IN_BUDGET), settings)
+        ctx.ref["capacity_budget"] = summary["kv_bytes_peak"]
     else:
         RUNNERS[workload](ctx, "full", full, None)
 

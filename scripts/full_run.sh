@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The full-size run behind docs/results.md, in four parts, every one measured by the code of one tagged commit:
+#
+#   bash scripts/full_run.sh output          # every method: teacher-forced outputs of 1,024, 4,096 and 8,192 tokens
+#   bash scripts/full_run.sh prompt-recall   # every method: prompt compression and recall
+#   bash scripts/full_run.sh speed-capacity  # every method, full on kvzip's kernel and zoomr detail=fadkv beside them
+#   bash scripts/full_run.sh reasoning       # GSM8K on the reasoning model: 64 problems x 512 new tokens, 7 methods
+#
+# The bench runs from a worktree of the tag (../kvzip-TAG beside this checkout, made on first use), so what is
+# measured is the tag's code whatever this checkout holds; its JSON, plot and, while a part is unfinished, its pieces
+# folder land in kvzip/bench/results/full/ here, to be committed. Running a part again resumes it (`--resume`: the
+# bench refuses when the commit or the settings differ). Ctrl-C loses at most the cell in flight. Run
+# speed-capacity whole on one machine: its capacity ratios compare batches measured one after another.
+# Environment: KVZIP_RESULTS_TAG (default results-1), KVZIP_RESULTS_TREE (the worktree's folder).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+tag=${KVZIP_RESULTS_TAG:-results-1}
+tree=${KVZIP_RESULTS_TREE:-$(dirname "$root")/kvzip-$tag}
+out=$root/kvzip/bench/results/full
+part=${1:-}
+
+case "$part" in
+  output) args=(--workloads output --plot "$out/$part.png") ;;
+  prompt-recall) args=(--workloads prompt,recall) ;;
+  speed-capacity) args=(--workloads speed,capacity --method-set full:attention=kvzip --method-set zoomr:detail=fadkv
+                        --plot "$out/$part.png") ;;
+  reasoning) args=(--model qwen2.5-coder-0.5b --methods full,fadkv,zoomr,rkv,h2o,window,hf-int4 --workloads reasoning
+                   --prompts 64 --new-tokens 512) ;;
+  *) echo "usage: bash scripts/full_run.sh output|prompt-recall|speed-capacity|reasoning" >&2; exit 2 ;;
+esac
+
+git -C "$root" rev-parse -q --verify "refs/tags/$tag" >/dev/null \
+  || { echo "no tag $tag in $root: the run's commit is a tag (git tag $tag COMMIT)" >&2; exit 2; }
+[ -d "$tree" ] || git -C "$root" worktree add -q --detach "$tree" "$tag"
+[ "$(git -C "$tree" rev-parse HEAD)" = "$(git -C "$root" rev-parse "$tag^{commit}")" ] \
+  || { echo "$tree is not at $tag: remove it (git worktree remove $tree) and run again" >&2; exit 2; }
+bash "$root/scripts/setup.sh"
+mkdir -p "$out"
+json=$out/$part.json
+if [ -e "$json" ]; then echo "$json is finished; nothing to do"; exit 0; fi
+[ -d "$json.parts" ] && args+=(--resume)
+# From the worktree, `python -m kvzip` imports the worktree's kvzip (the working folder comes first on sys.path).
+cd "$tree"
+"$root/.venv/bin/python" -c 'import kvzip, sys; from kvzip.runs import commit
+sys.exit(0 if kvzip.__file__.startswith(sys.argv[1]) and not commit().endswith("-dirty") else
+         f"kvzip would run from {kvzip.__file__} at {commit()}, not from a clean {sys.argv[1]}")' "$tree/"
+exec "$root/.venv/bin/python" -m kvzip bench "${args[@]}" --json "$json"
