@@ -109,22 +109,28 @@ def test_capacity_fills_the_budget_full_needs_for_eight_rows(tiny_run):
             assert r["rows"] > 8, label  # a smaller cache buys a larger batch
 
 
-def test_capacity_shrinks_a_batch_that_overshoots_the_budget(monkeypatch):
-    """A batch that holds more per row than the one-row probe is measured again, smaller by what it overshot."""
+def _capacity_with(monkeypatch, per_row) -> tuple[list[int], dict]:
+    """The capacity workload against a budget of 1,600 bytes, each batch of n rows holding per_row(n) bytes a row:
+    (the batch sizes run, the one-row probe first; the result)."""
     from kvzip.bench import workloads
 
     ran = []
 
     def fake_run(ctx, method, dictionaries, prompts, settings):
         ran.append(len(prompts))
-        per_row = 100 if len(prompts) == 1 else 130  # a batch pads its rows: 30% more per row
-        return [], {"kv_bytes_peak": per_row * len(prompts), "kv_bytes_device_peak": per_row * len(prompts),
-                    "decode_tokens_per_s": float(len(prompts)), "new_tokens": 4 * len(prompts)}, []
+        held = per_row(len(prompts)) * len(prompts)
+        return [], {"kv_bytes_peak": held, "kv_bytes_device_peak": held, "decode_tokens_per_s": float(len(prompts)),
+                    "new_tokens": 4 * len(prompts)}, []
 
     monkeypatch.setattr(workloads, "_run_generate", fake_run)
     monkeypatch.setattr(workloads, "capacity_prompts", lambda ctx, rows: [[1]] * rows)
     ctx = types.SimpleNamespace(cfg=BenchConfig(capacity_tokens=4), ref={"capacity_budget": 1600})
-    r = workloads.capacity(ctx, "m", None, None)
+    return ran, workloads.capacity(ctx, "m", None, None)
+
+
+def test_capacity_shrinks_a_batch_that_overshoots_the_budget(monkeypatch):
+    """A batch that holds more per row than the one-row probe is measured again, smaller by what it overshot."""
+    ran, r = _capacity_with(monkeypatch, lambda n: 100 if n == 1 else 130)  # a batch pads its rows: 30% more a row
     assert ran == [1, 16, 12] and r["rows"] == 12 and r["fits"] and r["kv_bytes_peak"] == 1560
     assert [t["rows"] for t in r["tries"]] == [16, 12] and r["decode_tokens_per_s"] == 12.0
 
@@ -145,20 +151,7 @@ def test_a_process_without_full_capacity_cell_gets_the_same_budget(tiny, tokeniz
 def test_capacity_grows_a_batch_that_lands_under_the_budget(monkeypatch, crowded, expect):
     """A batch that holds less per row than the one-row probe is grown to what its own bytes per row allow; when the
     grown batch overshoots (rows past 18 hold `crowded` bytes each), the largest batch that fit is the result."""
-    from kvzip.bench import workloads
-
-    ran = []
-
-    def fake_run(ctx, method, dictionaries, prompts, settings):
-        ran.append(len(prompts))
-        per_row = 100 if len(prompts) == 1 else (80 if len(prompts) <= 18 else crowded)
-        return [], {"kv_bytes_peak": per_row * len(prompts), "kv_bytes_device_peak": per_row * len(prompts),
-                    "decode_tokens_per_s": float(len(prompts)), "new_tokens": 4 * len(prompts)}, []
-
-    monkeypatch.setattr(workloads, "_run_generate", fake_run)
-    monkeypatch.setattr(workloads, "capacity_prompts", lambda ctx, rows: [[1]] * rows)
-    ctx = types.SimpleNamespace(cfg=BenchConfig(capacity_tokens=4), ref={"capacity_budget": 1600})
-    r = workloads.capacity(ctx, "m", None, None)
+    ran, r = _capacity_with(monkeypatch, lambda n: 100 if n == 1 else (80 if n <= 18 else crowded))
     assert ran == [1] + expect[:2] and [t["rows"] for t in r["tries"]] == expect[:2]
     assert r["rows"] == expect[-1] and r["fits"] and r["decode_tokens_per_s"] == float(expect[-1])
     assert r["kv_bytes_peak"] == 80 * expect[-1]
