@@ -37,8 +37,9 @@ git -C "$root" rev-parse -q --verify "refs/tags/$tag" >/dev/null \
 bash "$root/scripts/setup.sh"
 mkdir -p "$out"
 json=$out/$part.json
-if [ -e "$json" ]; then echo "$json is finished; nothing to do"; exit 0; fi
-[ -d "$json.parts" ] && args+=(--resume)
+# A finished run removes its pieces folder; an interrupted one keeps it beside a JSON marked "interrupted".
+if [ -e "$json" ] && [ ! -d "$json.parts" ]; then echo "$json is finished; nothing to do"; exit 0; fi
+if [ -d "$json.parts" ]; then args+=(--resume); fi
 # From the worktree, `python -m kvzip` imports the worktree's kvzip (the working folder comes first on sys.path).
 cd "$tree"
 "$root/.venv/bin/python" -c 'import kvzip, sys; from kvzip.runs import commit
