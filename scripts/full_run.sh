@@ -6,6 +6,9 @@
 #   bash scripts/full_run.sh speed-capacity  # every method, full on kvzip's kernel and zoomr detail=fadkv beside them
 #   bash scripts/full_run.sh reasoning       # GSM8K on the reasoning model: 64 problems x 512 new tokens, 7 methods
 #
+# Arguments after the part go to `kvzip bench` as they are (e.g. `--dtype bfloat16`, so that a part begun where bf16
+# is native resumes on a machine where `--dtype auto` would pick fp32: the bench refuses a resume in another dtype).
+#
 # The bench runs from a worktree of the tag (../kvzip-TAG beside this checkout, made on first use), so what is
 # measured is the tag's code whatever this checkout holds; its JSON, plot and, while a part is unfinished, its pieces
 # folder land in kvzip/bench/results/full/ here, to be committed. Running a part again resumes it (`--resume`: the
@@ -18,6 +21,7 @@ tag=${KVZIP_RESULTS_TAG:-results-1}
 tree=${KVZIP_RESULTS_TREE:-$(dirname "$root")/kvzip-$tag}
 out=$root/kvzip/bench/results/full
 part=${1:-}
+shift || true
 
 case "$part" in
   output) args=(--workloads output --plot "$out/$part.png") ;;
@@ -45,4 +49,4 @@ cd "$tree"
 "$root/.venv/bin/python" -c 'import kvzip, sys; from kvzip.runs import commit
 sys.exit(0 if kvzip.__file__.startswith(sys.argv[1]) and not commit().endswith("-dirty") else
          f"kvzip would run from {kvzip.__file__} at {commit()}, not from a clean {sys.argv[1]}")' "$tree/"
-exec "$root/.venv/bin/python" -m kvzip bench "${args[@]}" --json "$json"
+exec "$root/.venv/bin/python" -m kvzip bench "${args[@]}" "$@" --json "$json"
