@@ -6,8 +6,9 @@
 #   bash scripts/full_run.sh speed-capacity  # every method, full on kvzip's kernel and zoomr detail=fadkv beside them
 #   bash scripts/full_run.sh reasoning       # GSM8K on the reasoning model: 64 problems x 512 new tokens, 7 methods
 #
-# Arguments after the part go to `kvzip bench` as they are (e.g. `--dtype bfloat16`, so that a part begun where bf16
-# is native resumes on a machine where `--dtype auto` would pick fp32: the bench refuses a resume in another dtype).
+# The quality parts (output, prompt-recall, reasoning) run in bf16 on every machine, so that a part begun on one CPU
+# resumes on another (the bench refuses a resume in another dtype); speed-capacity runs in `--dtype auto`, the dtype
+# this CPU runs fastest. Arguments after the part go to `kvzip bench` as they are.
 #
 # The bench runs from a worktree of the tag (../kvzip-TAG beside this checkout, made on first use), so what is
 # measured is the tag's code whatever this checkout holds; its JSON, plot and, while a part is unfinished, its pieces
@@ -24,12 +25,12 @@ part=${1:-}
 shift || true
 
 case "$part" in
-  output) args=(--workloads output --plot "$out/$part.png") ;;
-  prompt-recall) args=(--workloads prompt,recall) ;;
+  output) args=(--workloads output --dtype bfloat16 --plot "$out/$part.png") ;;
+  prompt-recall) args=(--workloads prompt,recall --dtype bfloat16) ;;
   speed-capacity) args=(--workloads speed,capacity --method-set full:attention=kvzip --method-set zoomr:detail=fadkv
                         --plot "$out/$part.png") ;;
   reasoning) args=(--model qwen2.5-coder-0.5b --methods full,fadkv,zoomr,rkv,h2o,window,hf-int4 --workloads reasoning
-                   --prompts 64 --new-tokens 512) ;;
+                   --prompts 64 --new-tokens 512 --dtype bfloat16) ;;
   *) echo "usage: bash scripts/full_run.sh output|prompt-recall|speed-capacity|reasoning" >&2; exit 2 ;;
 esac
 

@@ -245,6 +245,10 @@ def caption(data: dict, rel_json: str, view: str, attrs: dict) -> list[str]:
     if view == "summary":
         lines.append(f"Memory columns: peak KV bytes on the `{memory_workload(data, attrs)}` workload; the other "
                      "columns name their workload.")
+    runs = (data.get("run") or {}).get("runs") or []
+    if len(runs) > 1:
+        lines.append(f"Resumed (`--resume`): its cells were measured in {len(runs)} runs of the same commit and "
+                     "settings; the line above describes the last of them.")
     w = attrs.get("workload")
     sizes = {k[len(w) + 1:]: v for k, v in cfg.items() if w and k.startswith(w + "_")}
     if sizes:

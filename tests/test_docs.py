@@ -4,7 +4,8 @@
   bench JSON (`--check` passes on the repository), and `--check` does fail once a table is edited by hand (a
   tampered copy in tmp_path), so the first test can fail.
 - The generator picks columns from the fields a record holds: ratios against `full` come from the byte fields of
-  the newer bench (`kv_bytes_full`) and a device column appears only when some setting keeps a host tier.
+  the newer bench (`kv_bytes_full`) and a device column appears only when some setting keeps a host tier; a
+  resumed run's caption says how many runs its cells came from.
 - README.md is a user's page: at most 200 lines, no lab-notebook text (dates, times, "this session", "issue N").
 """
 
@@ -76,7 +77,7 @@ def test_columns_follow_the_fields_of_a_newer_bench_file(tmp_path):
         "results": [_record("full", "output", 4000, 4000, 4000, top1_agreement=1.0),
                     _record("zoomr", "output", 3000, 1000, 4000, top1_agreement=0.9)],
         "skipped": [{"label": "zoomr", "workload": "prompt", "reason": "keeps the prompt in full by design"}],
-        "failed": [],
+        "failed": [], "run": {"runs": ["1f1e024a1d29", "77aa01c2b3d4"]},  # resumed once
     }
     results = tmp_path / "kvzip" / "bench" / "results"
     results.mkdir(parents=True)
@@ -90,6 +91,7 @@ def test_columns_follow_the_fields_of_a_newer_bench_file(tmp_path):
     assert "| method | KV / full | device KV / full | KV / fp16 full |" in text
     assert "| zoomr | 0.750 | 0.250 | 1.500 |" in text and "| full | 1.000 | 1.000 | 2.000 |" in text
     assert "`kvzip bench --workloads output`" in text and "commit `0123456789ab`" in text
+    assert "measured in 2 runs of the same commit" in text
     assert "Skipped" not in text  # the skip concerns the prompt workload, not this table
     assert text.endswith(example)
     assert run("--check", "--root", str(tmp_path)).returncode == 0
