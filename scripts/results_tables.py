@@ -245,10 +245,10 @@ def caption(data: dict, rel_json: str, view: str, attrs: dict) -> list[str]:
     if view == "summary":
         lines.append(f"Memory columns: peak KV bytes on the `{memory_workload(data, attrs)}` workload; the other "
                      "columns name their workload.")
-    runs = (data.get("run") or {}).get("runs") or []
-    if len(runs) > 1:
-        lines.append(f"Resumed (`--resume`): its cells were measured in {len(runs)} runs of the same commit and "
-                     "settings; the line above describes the last of them.")
+    earlier = (data.get("run") or {}).get("earlier_cells")
+    if earlier:
+        lines.append(f"Resumed (`--resume`): {earlier} of its cells were measured by an earlier run of the same commit "
+                     "and settings; the line above describes the run that finished it.")
     w = attrs.get("workload")
     sizes = {k[len(w) + 1:]: v for k, v in cfg.items() if w and k.startswith(w + "_")}
     if sizes:

@@ -44,12 +44,12 @@ def test_check_names_a_tampered_block_and_regenerating_restores_it(tmp_path):
     assert run("--check", "--root", str(tmp_path)).returncode == 0
     page = tmp_path / "docs" / "results.md"
     original = page.read_text()
-    row = re.search(r"<!-- results:quick-output .*?\n(\| fadkv \|[^\n]*)", original, re.DOTALL).group(1)
+    row = re.search(r"<!-- results:full-output .*?\n(\| fadkv \|[^\n]*)", original, re.DOTALL).group(1)
     page.write_text(original.replace(row, row.replace("| fadkv |", "| fadkv (edited) |"), 1))
 
     out = run("--check", "--root", str(tmp_path))
     assert out.returncode == 1
-    assert out.stdout.strip().count("\n") == 0 and "docs/results.md" in out.stdout and "'quick-output'" in out.stdout
+    assert out.stdout.strip().count("\n") == 0 and "docs/results.md" in out.stdout and "'full-output'" in out.stdout
 
     assert run("--root", str(tmp_path)).returncode == 0
     assert page.read_text() == original
@@ -77,7 +77,7 @@ def test_columns_follow_the_fields_of_a_newer_bench_file(tmp_path):
         "results": [_record("full", "output", 4000, 4000, 4000, top1_agreement=1.0),
                     _record("zoomr", "output", 3000, 1000, 4000, top1_agreement=0.9)],
         "skipped": [{"label": "zoomr", "workload": "prompt", "reason": "keeps the prompt in full by design"}],
-        "failed": [], "run": {"runs": ["1f1e024a1d29", "77aa01c2b3d4"]},  # resumed once
+        "failed": [], "run": {"id": "77aa01c2b3d4", "earlier_cells": 1},  # resumed
     }
     results = tmp_path / "kvzip" / "bench" / "results"
     results.mkdir(parents=True)
@@ -91,7 +91,7 @@ def test_columns_follow_the_fields_of_a_newer_bench_file(tmp_path):
     assert "| method | KV / full | device KV / full | KV / fp16 full |" in text
     assert "| zoomr | 0.750 | 0.250 | 1.500 |" in text and "| full | 1.000 | 1.000 | 2.000 |" in text
     assert "`kvzip bench --workloads output`" in text and "commit `0123456789ab`" in text
-    assert "measured in 2 runs of the same commit" in text
+    assert "1 of its cells were measured by an earlier run" in text
     assert "Skipped" not in text  # the skip concerns the prompt workload, not this table
     assert text.endswith(example)
     assert run("--check", "--root", str(tmp_path)).returncode == 0
