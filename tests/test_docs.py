@@ -5,7 +5,7 @@
   tampered copy in tmp_path), so the first test can fail.
 - The generator picks columns from the fields a record holds: ratios against `full` come from the byte fields of
   the newer bench (`kv_bytes_full`) and a device column appears only when some setting keeps a host tier; a
-  resumed run's caption says how many runs its cells came from.
+  resumed run's caption says how many of its cells an earlier run measured.
 - README.md is a user's page: at most 200 lines, no lab-notebook text (dates, times, "this session", "issue N").
 """
 
