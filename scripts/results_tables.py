@@ -6,7 +6,8 @@ A table lives between two markers; the opening one says what to draw:
     ...generated text, rewritten by this script...
     <!-- /results:quick -->
 
-Attributes: `file` (a JSON file in kvzip/bench/results/, or a path from the repository root), `view` (`summary`:
+Attributes: `file` (a JSON file in kvzip/bench/results/, or a path from the repository root), `caption=short` (name
+the file and commit only, for a later table of a JSON whose caption is already on the page), `view` (`summary`:
 one row per setting and the headline columns of every workload; `workload`: every column present in one workload's
 records; `contexts`: one field of one workload at each context length), `workload`, `field` (for `contexts`),
 `columns` (a comma-separated list of column names or dotted record paths such as `method_stats.selections`,
@@ -37,6 +38,8 @@ BLOCK = re.compile(r"<!-- results:(?P<name>[\w.-]+)(?P<attrs>[^>]*?)-->(?P<body>
                    re.DOTALL)
 OPENING = re.compile(r"<!-- results:([\w.-]+)")
 FENCE = re.compile(r"(^```.*?^```[^\n]*$)", re.DOTALL | re.MULTILINE)
+# A path the bench recorded as given (often absolute), shown from the repository root: `.../kvzip/bench/results/x`.
+RESULTS_PATH = re.compile(r"\S*/(kvzip/bench/results/\S*)")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
@@ -233,11 +236,15 @@ VIEWS = {"summary": view_summary, "workload": view_workload, "contexts": view_co
 
 
 def caption(data: dict, rel_json: str, view: str, attrs: dict) -> list[str]:
+    """Where the table comes from; `caption=short` names the file and commit only (a later table of one JSON)."""
     env, cfg = data.get("environment", {}), data.get("config", {})
-    run = f"`{data['command']}`" if data.get("command") else "command not recorded"
+    command = RESULTS_PATH.sub(r"\1", data.get("command") or "")
+    run = f"`{command}`" if command else "command not recorded"
     sha = data.get("commit") or env.get("commit") or ""
     dirty = "-dirty" if sha.endswith("-dirty") else ""
     commit = f"commit `{sha.removesuffix(dirty)[:12]}{dirty}`" if sha else "commit not recorded"
+    if attrs.get("caption") == "short":
+        return [f"From `{rel_json}`, {commit}: the run named above."]
     threads = env.get("torch_threads", "?")
     where = f"{env.get('model', '?')}, {env.get('device', '?')} {env.get('dtype', '')}, {threads} thread{'s' * (threads != 1)}"
     lines = [f"From `{rel_json}`: {run}, {commit}, run {env.get('date', '?')[:16].replace('T', ' ')} UTC, {where}"
@@ -303,13 +310,14 @@ def regenerate(text: str, md_path: Path, root: Path) -> tuple[str, list[str]]:
     are left alone."""
     parts = FENCE.split(text)  # odd items are fenced code blocks
     changed: list[str] = []
+    captioned: set[str] = set()  # files whose full caption is already on the page
     for i in range(0, len(parts), 2):
-        parts[i], names = _regenerate_prose(parts[i], md_path, root)
+        parts[i], names = _regenerate_prose(parts[i], md_path, root, captioned)
         changed += names
     return "".join(parts), changed
 
 
-def _regenerate_prose(text: str, md_path: Path, root: Path) -> tuple[str, list[str]]:
+def _regenerate_prose(text: str, md_path: Path, root: Path, captioned: set[str]) -> tuple[str, list[str]]:
     opened = OPENING.findall(text)
     closed = {m.group("name") for m in BLOCK.finditer(text)}
     for name in opened:
@@ -323,6 +331,11 @@ def _regenerate_prose(text: str, md_path: Path, root: Path) -> tuple[str, list[s
             attrs = dict(item.split("=", 1) for item in shlex.split(m.group("attrs")))
         except ValueError:
             raise BlockError(f"results block '{name}': attributes must be key=value") from None
+        if attrs.get("caption") == "short" and attrs.get("file") not in captioned:
+            raise BlockError(f"results block '{name}': caption=short, but no block above it gives "
+                             f"{attrs.get('file')}'s full caption")
+        if attrs.get("caption") != "short":
+            captioned.add(attrs.get("file"))
         try:
             body = "\n" + render(attrs, md_path, root)
         except BlockError as exc:

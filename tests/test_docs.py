@@ -5,7 +5,8 @@
   tampered copy in tmp_path), so the first test can fail.
 - The generator picks columns from the fields a record holds: ratios against `full` come from the byte fields of
   the newer bench (`kv_bytes_full`) and a device column appears only when some setting keeps a host tier; a
-  resumed run's caption says how many of its cells an earlier run measured.
+  resumed run's caption says how many of its cells an earlier run measured; a `caption=short` block names only the
+  file and commit, and is refused when no block above it gives that file's full caption.
 - README.md is a user's page: at most 200 lines, no lab-notebook text (dates, times, "this session", "issue N").
 """
 
@@ -70,7 +71,7 @@ def _record(label, workload, peak, device, full, **fields):
 
 def test_columns_follow_the_fields_of_a_newer_bench_file(tmp_path):
     data = {
-        "command": "kvzip bench --workloads output", "environment": {"commit": "0123456789abcdef", "dtype": "float32",
+        "command": "kvzip bench --workloads output --json /somewhere/kvzip/bench/results/new.json", "environment": {"commit": "0123456789abcdef", "dtype": "float32",
                                                                      "date": "2027-01-02T03:04:05+00:00"},
         "config": {"workloads": ["output", "prompt"], "output_tokens": [768], "output_rows": 2},
         "settings": [{"label": "full"}, {"label": "zoomr"}],
@@ -84,13 +85,19 @@ def test_columns_follow_the_fields_of_a_newer_bench_file(tmp_path):
     (results / "new.json").write_text(json.dumps(data))
     readme = tmp_path / "README.md"
     example = "```\n<!-- results:e file=missing.json -->\n<!-- /results:e -->\n```\n"  # syntax shown, not drawn
-    readme.write_text("<!-- results:n file=new.json workload=output -->\n<!-- /results:n -->\n" + example)
+    short = "<!-- results:s file=new.json caption=short workload=output columns=top1_agreement -->\n<!-- /results:s -->\n"
+    readme.write_text(short + example)
+    out = run("--root", str(tmp_path))  # a short caption with no full one above it
+    assert out.returncode == 2 and "caption=short" in out.stderr and out.stderr.strip().count("\n") == 0
+    readme.write_text("<!-- results:n file=new.json workload=output -->\n<!-- /results:n -->\n" + short + example)
 
     assert run("--root", str(tmp_path)).returncode == 0
     text = readme.read_text()
     assert "| method | KV / full | device KV / full | KV / fp16 full |" in text
     assert "| zoomr | 0.750 | 0.250 | 1.500 |" in text and "| full | 1.000 | 1.000 | 2.000 |" in text
-    assert "`kvzip bench --workloads output`" in text and "commit `0123456789ab`" in text
+    assert "`kvzip bench --workloads output --json kvzip/bench/results/new.json`" in text  # recorded path, from root
+    assert "commit `0123456789ab`" in text
+    assert "From `kvzip/bench/results/new.json`, commit `0123456789ab`: the run named above." in text
     assert "1 of its cells were measured by an earlier run" in text
     assert "Skipped" not in text  # the skip concerns the prompt workload, not this table
     assert text.endswith(example)
