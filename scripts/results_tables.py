@@ -238,13 +238,13 @@ VIEWS = {"summary": view_summary, "workload": view_workload, "contexts": view_co
 def caption(data: dict, rel_json: str, view: str, attrs: dict) -> list[str]:
     """Where the table comes from; `caption=short` names the file and commit only (a later table of one JSON)."""
     env, cfg = data.get("environment", {}), data.get("config", {})
-    command = RESULTS_PATH.sub(r"\1", data.get("command") or "")
-    run = f"`{command}`" if command else "command not recorded"
     sha = data.get("commit") or env.get("commit") or ""
     dirty = "-dirty" if sha.endswith("-dirty") else ""
     commit = f"commit `{sha.removesuffix(dirty)[:12]}{dirty}`" if sha else "commit not recorded"
     if attrs.get("caption") == "short":
         return [f"From `{rel_json}`, {commit}: the run named above."]
+    command = RESULTS_PATH.sub(r"\1", data.get("command") or "")
+    run = f"`{command}`" if command else "command not recorded"
     threads = env.get("torch_threads", "?")
     where = f"{env.get('model', '?')}, {env.get('device', '?')} {env.get('dtype', '')}, {threads} thread{'s' * (threads != 1)}"
     lines = [f"From `{rel_json}`: {run}, {commit}, run {env.get('date', '?')[:16].replace('T', ' ')} UTC, {where}"
@@ -275,11 +275,16 @@ def notes(data: dict, workload: str | None) -> list[str]:
     return out
 
 
-def render(attrs: dict, md_path: Path, root: Path) -> str:
-    """The generated text of one block: plot, caption, table, notes."""
+def json_path(attrs: dict, root: Path) -> Path:
+    """The JSON a marker names: a path from the repository root, or a bare name in kvzip/bench/results/."""
     if "file" not in attrs:
         raise BlockError("the marker names no file=...")
-    path = root / attrs["file"] if "/" in attrs["file"] else root / RESULTS / attrs["file"]
+    return root / attrs["file"] if "/" in attrs["file"] else root / RESULTS / attrs["file"]
+
+
+def render(attrs: dict, md_path: Path, root: Path) -> str:
+    """The generated text of one block: plot, caption, table, notes."""
+    path = json_path(attrs, root)
     rel_json = Path(os.path.relpath(path, root)).as_posix()
     if not path.is_file():
         raise BlockError(f"{rel_json} does not exist")
@@ -310,14 +315,14 @@ def regenerate(text: str, md_path: Path, root: Path) -> tuple[str, list[str]]:
     are left alone."""
     parts = FENCE.split(text)  # odd items are fenced code blocks
     changed: list[str] = []
-    captioned: set[str] = set()  # files whose full caption is already on the page
+    captioned: set[Path] = set()  # JSON files whose full caption is already on the page
     for i in range(0, len(parts), 2):
         parts[i], names = _regenerate_prose(parts[i], md_path, root, captioned)
         changed += names
     return "".join(parts), changed
 
 
-def _regenerate_prose(text: str, md_path: Path, root: Path, captioned: set[str]) -> tuple[str, list[str]]:
+def _regenerate_prose(text: str, md_path: Path, root: Path, captioned: set[Path]) -> tuple[str, list[str]]:
     opened = OPENING.findall(text)
     closed = {m.group("name") for m in BLOCK.finditer(text)}
     for name in opened:
@@ -331,12 +336,12 @@ def _regenerate_prose(text: str, md_path: Path, root: Path, captioned: set[str])
             attrs = dict(item.split("=", 1) for item in shlex.split(m.group("attrs")))
         except ValueError:
             raise BlockError(f"results block '{name}': attributes must be key=value") from None
-        if attrs.get("caption") == "short" and attrs.get("file") not in captioned:
-            raise BlockError(f"results block '{name}': caption=short, but no block above it gives "
-                             f"{attrs.get('file')}'s full caption")
-        if attrs.get("caption") != "short":
-            captioned.add(attrs.get("file"))
         try:
+            path = json_path(attrs, root)
+            if attrs.get("caption") != "short":
+                captioned.add(path)
+            elif path not in captioned:
+                raise BlockError(f"caption=short, but no block above it gives {attrs['file']}'s full caption")
             body = "\n" + render(attrs, md_path, root)
         except BlockError as exc:
             raise BlockError(f"results block '{name}': {exc}") from None

@@ -71,8 +71,8 @@ def _record(label, workload, peak, device, full, **fields):
 
 def test_columns_follow_the_fields_of_a_newer_bench_file(tmp_path):
     data = {
-        "command": "kvzip bench --workloads output --json /somewhere/kvzip/bench/results/new.json", "environment": {"commit": "0123456789abcdef", "dtype": "float32",
-                                                                     "date": "2027-01-02T03:04:05+00:00"},
+        "command": "kvzip bench --workloads output --json /somewhere/kvzip/bench/results/new.json",
+        "environment": {"commit": "0123456789abcdef", "dtype": "float32", "date": "2027-01-02T03:04:05+00:00"},
         "config": {"workloads": ["output", "prompt"], "output_tokens": [768], "output_rows": 2},
         "settings": [{"label": "full"}, {"label": "zoomr"}],
         "results": [_record("full", "output", 4000, 4000, 4000, top1_agreement=1.0),
@@ -85,7 +85,8 @@ def test_columns_follow_the_fields_of_a_newer_bench_file(tmp_path):
     (results / "new.json").write_text(json.dumps(data))
     readme = tmp_path / "README.md"
     example = "```\n<!-- results:e file=missing.json -->\n<!-- /results:e -->\n```\n"  # syntax shown, not drawn
-    short = "<!-- results:s file=new.json caption=short workload=output columns=top1_agreement -->\n<!-- /results:s -->\n"
+    short = ("<!-- results:s file=new.json caption=short workload=output columns=top1_agreement -->\n"
+             "<!-- /results:s -->\n")
     readme.write_text(short + example)
     out = run("--root", str(tmp_path))  # a short caption with no full one above it
     assert out.returncode == 2 and "caption=short" in out.stderr and out.stderr.strip().count("\n") == 0
