@@ -278,7 +278,8 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device = "auto", d
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dt, attn_implementation=ATTN_IMPLEMENTATION, trust_remote_code=trust_remote_code,
-            local_files_only=local_only, **({} if device_map is None else {"device_map": device_map}),
+            local_files_only=local_only, use_kernels=False,  # no hub kernels: they are remote code, fetched at load
+            **({} if device_map is None else {"device_map": device_map}),
         )
     except OSError as exc:
         if local_only:

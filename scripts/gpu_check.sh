@@ -3,6 +3,8 @@
 #   1. set up (scripts/setup.sh), unless KVZIP_PYTHON names a Python that already has kvzip's dependencies
 #      (e.g. a machine with no package index: wheels installed with --target and PYTHONPATH set);
 #   2. the GPU-marked tests (`pytest -m gpu`: every method on CUDA in bf16, full == transformers greedy on CUDA);
+#   2b. scripts/sync_check.py: host syncs inside the decode forward of every method on the default model (the
+#      forward only queues kernels; cache-wide reads belong in the cache's hooks), with the call site of each;
 #   3. `kvzip generate --device cuda` on the default model with fadkv and zoomr (CLI path, JSON kept);
 #   3b. `kvzip generate --device-map auto` (accelerate spreads the layers over every visible GPU) with fadkv and
 #      zoomr on a JSONL batch: the rows must equal those of the model whole on the first GPU (the gpu-marked tests
@@ -15,6 +17,8 @@
 #   5. only when KVZIP_BENCH_LIMIT is set (seconds): the full-size `kvzip bench --device cuda`, stopped with SIGINT
 #      after that many seconds; the bench keeps every record finished before the interrupt. Off by default, so that
 #      steps 1-4 stay within the issue's five-minute budget (the H200 run of 2026-11-30: quick bench 252 s).
+# KVZIP_GPU_STEPS picks steps (comma-separated from tests,sync,generate,bench,coders; default all), so that a short
+# lease can run them in two calls.
 # Exit code: non-zero when a step fails (a full bench cut short by the limit is not a failure); every step runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +27,7 @@ mkdir -p "$OUT"
 
 if [ -n "${KVZIP_PYTHON:-}" ]; then
   PY=$KVZIP_PYTHON
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # kvzip from this checkout, for the scripts too
 else
   bash scripts/setup.sh > "$OUT/setup.log" 2>&1 || { echo "setup failed, see $OUT/setup.log"; tail -20 "$OUT/setup.log"; exit 1; }
   PY=.venv/bin/python
@@ -33,10 +38,20 @@ export PYTHONUNBUFFERED=1
 
 status=0
 step() { echo "== $1 ($(date +%T))"; }
+STEPS=",${KVZIP_GPU_STEPS:-tests,sync,generate,bench,coders},"
+want() { [[ $STEPS == *",$1,"* ]]; }
 
+if want tests; then
 step "pytest -m gpu"
 "$PY" -m pytest -m gpu -ra -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" || status=1
+fi
 
+if want sync; then
+step "scripts/sync_check.py (host syncs in the decode forward, every method, default model)"
+"$PY" scripts/sync_check.py --context 128 --steps 16 --json "$OUT/sync_check.json" 2>&1 | tee "$OUT/sync_check.txt" || status=1
+fi
+
+if want generate; then
 for method in fadkv zoomr; do
   step "kvzip generate --method $method --device cuda"
   "$PY" -m kvzip.cli generate --device cuda --method "$method" --max-new-tokens 96 --json \
@@ -70,15 +85,22 @@ if [ "$GPUS" -ge 2 ]; then
 else
   echo "one GPU: the data-parallel step needs two (the CPU tests run two ranks with gloo)"
 fi
+fi
 
+if want bench; then
 step "kvzip bench --quick --device cuda"
+t0=$SECONDS
 "$PY" -m kvzip.cli bench --quick --device cuda --json "$OUT/bench_quick_cuda.json" --plot "$OUT/bench_quick_cuda.png" \
   2>&1 | tee "$OUT/bench_quick_cuda.txt" || status=1
+echo "quick bench wall time: $((SECONDS - t0)) s (the H200 run of 2026-11-30: 252 s)"
+fi
 
+if want coders; then
 step "scripts/measure_coders.py --device cuda (shipped N=1024, s=8; pre-RoPE keys)"
 "$PY" scripts/measure_coders.py --device cuda --keys pre-rope --configs 1024x8 --out "$OUT/coders_cuda.md" \
   > "$OUT/coders_cuda.txt" 2>&1 || status=1
 tail -12 "$OUT/coders_cuda.txt"
+fi
 
 if [ -n "${KVZIP_BENCH_LIMIT:-}" ]; then
   step "kvzip bench --device cuda (full size, limit $KVZIP_BENCH_LIMIT s)"

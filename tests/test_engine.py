@@ -108,7 +108,7 @@ def test_prompt_longer_than_context_is_a_user_error(tiny, tokenizer):
 def _to_cuda(dictionaries):
     import dataclasses
 
-    moved = {f.name: getattr(dictionaries, f.name) for f in dataclasses.fields(dictionaries)}
+    moved = {f.name: getattr(dictionaries, f.name) for f in dataclasses.fields(dictionaries) if f.init}
     return type(dictionaries)(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 

@@ -54,15 +54,11 @@ class CodedAttention:
             scores = torch.cat([k_scores, dense_scores], -1)
             positions = torch.cat([self.coded_pos, self.positions], 1)
         allowed = self._allowed(mask, positions, q, scores.shape[-1], query.device)
-        if allowed is not None:
-            allowed = allowed.expand(b, q, allowed.shape[-1]).view(b, 1, 1, q, -1).expand(b, h, g, q, allowed.shape[-1]).reshape(b, h, g * q, -1)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        w = torch.softmax(scores, dim=-1)  # (B, H, gq, T+S)
-        if allowed is not None:
-            # A left-padding query sees nothing: its softmax is NaN. Its weights become 0, so its output (and the keys
-            # and values the next layer computes for that padding) stay finite: a NaN coded there would reach the
-            # whole row through the per-atom value sums (0 x NaN).
-            w = w.nan_to_num(0.0)
+        allowed = allowed.expand(b, q, -1)[:, None, None].expand(b, h, g, q, -1).reshape(b, h, g * q, -1)
+        # A left-padding query sees nothing: its softmax is NaN. Its weights become 0, so its output (and the keys and
+        # values the next layer computes for that padding) stay finite: a NaN coded there would reach the whole row
+        # through the per-atom value sums (0 x NaN).
+        w = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)  # (B, H, gq, T+S)
         out = w[..., t:] @ self.values.float()  # (B, H, gq, d)
         if q > 1:  # several query positions (a follow-up prompt) share each rebuilt value: rebuild chunk by chunk
             out = out + self._rebuilt_values(w[..., :t])
@@ -91,8 +87,7 @@ class CodedAttention:
             positions = torch.cat([self.coded_pos, self.positions], 1)
             width = positions.shape[1]
             allowed = self._allowed(mask, positions, 1, width, query.device)
-            allowed = (torch.ones(b, width, dtype=torch.bool, device=query.device) if allowed is None
-                       else allowed.expand(b, 1, width).reshape(b, width).contiguous())
+            allowed = allowed.expand(b, 1, width).reshape(b, width).contiguous()
         dim = None if self.rope is None else self.rope.dim  # pre-RoPE: the kernel turns keys in the model's order
         k_atoms, v_atoms = self.coded_keys.lookup(dim), self.coded_values.lookup()
         k, v = self.coded_keys.codes, self.coded_values.codes
@@ -191,16 +186,13 @@ class CodedAttention:
 
     @staticmethod
     def _allowed(mask, positions, q, width, device):
-        """Boolean (B|1, q, width) of which stored tokens each query may see, or None when all may. positions (B, width)
-        are the stored tokens' virtual positions; a hole (-1) is never seen."""
+        """Boolean (B, q, width) of which stored tokens each query may see. positions (B, width) are the stored tokens'
+        virtual positions; a hole (-1) is never seen. Holes are masked whether or not there are any: asking would read
+        a value back to the host inside the forward."""
         holes = positions < 0
         if mask is not None:
             m = gather_mask(mask, positions.clamp(min=0))[:, 0]  # (B, q, width)
             m = m if m.dtype == torch.bool else m == 0
             return m & ~holes[:, None, :]
-        allowed = None
-        if q > 1:
-            allowed = causal_tail(q, width, device)[None]
-        if bool(holes.any()):
-            allowed = (~holes[:, None, :]) if allowed is None else allowed & ~holes[:, None, :]
-        return allowed
+        allowed = ~holes[:, None, :]
+        return allowed & causal_tail(q, width, device)[None] if q > 1 else allowed

@@ -104,6 +104,7 @@ class CodedKind:
         self.refcount = torch.zeros(batch, self.n_atoms, dtype=torch.long, device=dev)
         self.last_used = torch.full((batch, self.n_atoms), -1, dtype=torch.long, device=dev)
         self._lookup: tuple | None = None  # (overlay version, table, index) for the fused kernel
+        self._n_total = (-1, self.n_atoms)  # (overlay version, n_total): read back once per overlay change
         self.low_atoms: dict = {}  # bfloat16 copies of stacked shared atoms, by the kinds stacked (coding.dictionaries)
 
     def bytes(self) -> dict[str, int]:
@@ -112,7 +113,9 @@ class CodedKind:
     def n_total(self) -> int:
         """The dictionary size the rows see: N, or more where `adapt=append` grew an overlay past it."""
         ov = self.overlay
-        return max(self.n_atoms, int(ov.ids.max()) + 1 if ov.ids.numel() else 0)
+        if self._n_total[0] != ov.version:  # the overlay changes in the cache's hooks (coding), never in a forward
+            self._n_total = (ov.version, max(self.n_atoms, int(ov.ids.max()) + 1 if ov.ids.numel() else 0))
+        return self._n_total[1]
 
     def count(self, rows: torch.Tensor, idx: torch.Tensor, real: torch.Tensor, now: int) -> None:
         """New codes idx (B', m, s) of rows (B',) at step `now`: each atom the `real` (B', m) ones use gains a live code."""
