@@ -23,14 +23,20 @@ if typing.TYPE_CHECKING:
     from kvzip.methods.fadkv import FadkvLayer
 
 
-def due_columns(layer: "FadkvLayer", prefill: bool) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+def real_tokens(layer: "FadkvLayer") -> torch.Tensor:
+    """(B, S) which of the layer's dense tokens are real: holes (-1) and left padding are not."""
+    pad = layer.pad if layer.pad is not None else torch.zeros(layer.batch, dtype=torch.long, device=layer.keys.device)
+    return layer.positions >= pad[:, None]
+
+
+def due_columns(layer: "FadkvLayer", prefill: bool,
+                counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """Which dense columns each row codes now and which it keeps, on the row's own schedule (as if it ran alone):
     a prefill codes all beyond the sinks and buffer, a decode step a whole number of chunks once a chunk has
-    gathered. Left padding is neither coded nor kept. None when no row codes."""
-    pad = layer.pad if layer.pad is not None else torch.zeros(layer.batch, dtype=torch.long, device=layer.keys.device)
-    real = layer.positions >= pad[:, None]  # (B, S) real tokens; holes (-1) and left padding are not
+    gathered. counts: each row's real dense tokens (`real_tokens`, read for every layer at once). Left padding is
+    neither coded nor kept. None when no row codes."""
     due = []
-    for n in real.sum(1).tolist():
+    for n in counts:
         sinks = min(layer.cfg.sinks, n)
         codeable = n - sinks - layer.cfg.buffer
         if codeable <= 0 or (not prefill and codeable < layer.cfg.code_chunk):
@@ -40,7 +46,7 @@ def due_columns(layer: "FadkvLayer", prefill: bool) -> list[tuple[torch.Tensor, 
         due.append((sinks, codeable))
     if not any(codeable for _, codeable in due):
         return None
-    columns = []
+    columns, real = [], real_tokens(layer)
     for b, (sinks, codeable) in enumerate(due):
         cols = real[b].nonzero().squeeze(-1)
         columns.append((cols[sinks : sinks + codeable], torch.cat([cols[:sinks], cols[sinks + codeable :]])))
@@ -140,7 +146,11 @@ MAX_VECTORS = 1 << 16
 def compress(layers: list["FadkvLayer"], prefill: bool, stats: CodingStats) -> None:
     """Code the due tokens of all `layers` (`due_columns`) in as few coder calls as MAX_VECTORS allows: keys and
     values of every layer and row together when their sparsity is the same. Each layer then stores its codes."""
-    plans = [(layer, plan) for layer in layers if (plan := due_columns(layer, prefill)) is not None]
+    if not layers:
+        return
+    first = layers[0].keys.device  # one read back for every layer (a device map spreads them over several devices)
+    counts = torch.stack([real_tokens(layer).sum(1).to(first) for layer in layers]).tolist()
+    plans = [(layer, plan) for layer, n in zip(layers, counts) if (plan := due_columns(layer, prefill, n)) is not None]
     if not plans:
         return
     t0 = time.perf_counter()
