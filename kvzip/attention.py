@@ -90,16 +90,27 @@ def grouped_attention(query, keys, values, allowed, scaling):
     return out.view(b, hq, q, d).transpose(1, 2).contiguous()
 
 
-def attention_with_weights(query, keys, values, allowed, scaling):
-    """Attention with its weights written out, for a layer that reads them (h2o scores each stored token by the
-    attention it receives). query (B, Hq, q, d); keys, values (B, Hkv, S, d), each KV head shared by Hq / Hkv query
-    heads; `allowed` boolean, broadcastable to (B, Hq, q, S). Returns the output (B, q, Hq, d) and the weights
-    (B, Hq, q, S); a query that sees nothing (left padding) gets zero weights, not NaN, so the next layer stays finite.
-    """
+def attention_with_received(query, keys, values, allowed, scaling, chunk: int = 256):
+    """Attention, and the attention each stored token receives summed over query heads and queries (what h2o scores
+    tokens by), without writing out all the weights: the queries go through `chunk` at a time, so a long prompt's
+    forward holds (B, Hq, chunk, S) weights, not (B, Hq, q, S). query (B, Hq, q, d); keys, values (B, Hkv, S, d), each
+    KV head shared by Hq / Hkv query heads; `allowed` boolean, broadcastable to (B, Hq, q, S). Returns the output
+    (B, q, Hq, d) and the received attention (B, S) fp32; a query that sees nothing (left padding) gives zero weights,
+    not NaN, so the next layer stays finite."""
     rep = query.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(rep, dim=1)  # (B, Hq, S, d)
-    w = ((query @ k.transpose(-1, -2)) * scaling).masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num()
-    return (w @ values.repeat_interleave(rep, dim=1)).transpose(1, 2).contiguous(), w
+    k = keys.repeat_interleave(rep, dim=1).transpose(-1, -2)  # (B, Hq, d, S)
+    v = values.repeat_interleave(rep, dim=1)  # (B, Hq, S, d)
+    q_len = query.shape[2]
+    received = torch.zeros(query.shape[0], keys.shape[2], device=query.device)
+    outs = []
+    for start in range(0, q_len, chunk):
+        rows = slice(start, min(start + chunk, q_len))
+        seen = allowed[..., rows, :] if allowed.shape[-2] == q_len else allowed
+        w = ((query[:, :, rows] @ k) * scaling).masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num()
+        received += w.sum((1, 2)).float()
+        outs.append(w @ v)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+    return out.transpose(1, 2).contiguous(), received
 
 
 def causal_tail(q_len: int, width: int, device) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvzip import evaluate
-from kvzip.attention import causal_tail, dense_attention, grouped_attention, leading_padding
+from kvzip.attention import attention_with_received, causal_tail, dense_attention, grouped_attention, leading_padding
 from kvzip.methods import get_method
 
 
@@ -36,6 +36,22 @@ def test_grouped_attention_gives_zero_for_a_query_that_sees_nothing():
     query, keys = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 5, 8)
     out = grouped_attention(query, keys, keys, torch.zeros(1, 1, 1, 5, dtype=torch.bool), 1.0)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("chunk", [4, 5, 64])  # several chunks, a ragged last one, and all queries at once
+def test_attention_with_received_matches_sdpa_and_the_summed_weights(chunk):
+    torch.manual_seed(0)
+    b, hq, h, q, s, d = 2, 6, 2, 17, 24, 8
+    query, keys, values = torch.randn(b, hq, q, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    allowed = causal_tail(q, s, "cpu")[None, None].expand(b, 1, q, s).clone()
+    allowed[1, ..., :10] = False  # a left-padded row: its first queries see nothing
+    out, received = attention_with_received(query, keys, values, allowed, 0.3, chunk=chunk)
+    expect = _sdpa(query, keys, values, allowed, 0.3).nan_to_num()
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    k = keys.repeat_interleave(hq // h, dim=1)
+    w = ((query @ k.transpose(-1, -2)) * 0.3).masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num()
+    torch.testing.assert_close(received, w.sum((1, 2)), atol=1e-5, rtol=1e-5)
+    assert received[1, :10].sum() == 0 and received.dtype == torch.float32
 
 
 def test_dense_attention_masks_a_short_prompt_causally():

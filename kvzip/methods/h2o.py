@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzip.attention import attention_with_weights, causal_tail, gather_mask, gather_tokens
+from kvzip.attention import attention_with_received, causal_tail, gather_mask, gather_tokens
 from kvzip.methods.base import KVCache, Method, check_positive, tensor_bytes
 from kvzip.methods.window import WindowCache, WindowLayer, top_and_recent
 from kvzip.rope import attention_windows, visible_from
@@ -43,8 +43,8 @@ class H2OLayer(WindowLayer):
             m = gather_mask(mask, self.positions)  # (B, 1, q, S)
         else:
             m = causal_tail(q_len, s, query.device)
-        out, w = attention_with_weights(query, self.keys, self.values, m, scaling)  # (B, q, Hq, d), (B, Hq, q, S)
-        self.score += w.sum((1, 2))
+        out, received = attention_with_received(query, self.keys, self.values, m, scaling)  # (B, q, Hq, d), (B, S)
+        self.score += received
         self._evict(mask)
         drop = self._slide()
         self.score = self.score[:, drop:]
