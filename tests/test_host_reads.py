@@ -87,3 +87,12 @@ def test_decode_forward_makes_no_host_read(tiny, tokenizer, request, name, padde
     finally:
         del tiny.forward
     assert forwards == 48 and not seen, sorted(set(seen))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_sync_check_refuses_without_cuda_in_one_line():
+    import subprocess
+
+    script = KVZIP.parent / "scripts" / "sync_check.py"
+    done = subprocess.run([sys.executable, str(script), "--steps", "4"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "needs a CUDA device" in done.stderr
