@@ -173,6 +173,7 @@ class Stream:
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.device = model.device
         self.mask: torch.Tensor | None = None  # (B, past + fed) 1 for real tokens, 0 for left padding
+        self.padded = False  # whether any row of the batch is left-padded (known on the host from the prompts)
         self.positions: torch.Tensor | None = None  # (B, 1) position of each row's last fed token
         self.detoks: list[Detokenizer] = []
         self.memory: dict = {}
@@ -186,8 +187,10 @@ class Stream:
         # The cache's lifecycle: cache-wide work for the tokens about to be fed, the model's forward (each layer stores
         # its new tokens and attends, nothing more), then cache-wide work on what the forward wrote.
         self.cache.before_forward(self.mask, ids.shape[1])
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, cache=self.cache,
-                         use_cache=True, logits_to_keep=1, **self.cache.model_kwargs())
+        # A batch without left padding passes no mask: transformers would check on every forward that it is all ones,
+        # a read back to the host (a sync on a GPU), and then drop it.
+        out = self.model(input_ids=ids, attention_mask=self.mask if self.padded else None, position_ids=positions,
+                         cache=self.cache, use_cache=True, logits_to_keep=1, **self.cache.model_kwargs())
         self.cache.after_forward()
         self.memory = self.cache.memory()
         for tier, n in self.memory.items():
@@ -213,6 +216,7 @@ class Stream:
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, past + width - len(p):] = 1
         self.mask = mask.to(self.device)
+        self.padded = any(len(p) < width for p in prompts)
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, past:]  # (B, width), padding at position 0
         if len(self.detoks) != batch:
             self.detoks = [Detokenizer(self.tokenizer) for _ in range(batch)]
