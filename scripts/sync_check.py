@@ -3,8 +3,9 @@
 The engine runs every forward between the cache's `before_forward` and `after_forward` hooks; cache-wide work (which
 may read values back to the host) belongs in the hooks, and the model's forward itself should only queue kernels.
 This script decodes a batch through the engine's step primitives and turns on `torch.cuda.set_sync_debug_mode("warn")`
-inside the model's forward alone (forward hooks on the model), then separately inside the cache's hooks. Each
-synchronising call is counted with the innermost kvzip or transformers frame that made it, so a sync reads as a line.
+inside the model's forward alone (its `forward` wrapped for the checked steps), then apart inside the cache's hooks.
+Each synchronising call is counted with the innermost kvzip or transformers frame that made it, so a sync reads as a
+line.
 
     python scripts/sync_check.py --methods full,fadkv,zoomr --batch 2 --context 256 --steps 32 [--json out.json]
 
