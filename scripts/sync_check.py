@@ -84,11 +84,14 @@ def main() -> None:
     from kvzip.data import evaluation_prose
     from kvzip.dictfiles import dictionaries_for
     from kvzip.errors import UserError
+    from kvzip.files import check_writable, write_atomic
     from kvzip.methods import METHODS, get_method
     from kvzip.models import load_model
 
     names = list(METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
+        if args.json:
+            check_writable(args.json)
         methods = [get_method(m) for m in names]
         model, tokenizer, source = load_model(args.model, "cuda", args.dtype)
         dicts = {m.name: dictionaries_for(m, model, source) for m in methods}
@@ -137,8 +140,8 @@ def main() -> None:
         if own:
             failed.append(method.name)
     if args.json:
-        args.json.write_text(json.dumps({"model": source.name, "batch": args.batch, "context": args.context,
-                                         "steps": args.steps, "methods": report}, indent=2))
+        write_atomic(args.json, json.dumps({"model": source.name, "batch": args.batch, "context": args.context,
+                                            "steps": args.steps, "methods": report}, indent=2))
     print(f"\nsync_check: {'kvzip syncs in the decode forward of ' + ', '.join(failed) if failed else 'passed'}")
     sys.exit(1 if failed else 0)
 
