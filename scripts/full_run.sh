@@ -12,10 +12,12 @@
 #
 # The bench runs from a worktree of the tag (../kvzip-TAG beside this checkout, made on first use), so what is
 # measured is the tag's code whatever this checkout holds; its JSON, plot and, while a part is unfinished, its pieces
-# folder land in kvzip/bench/results/full/ here, to be committed. Running a part again resumes it (`--resume`: the
-# bench refuses when the commit or the settings differ). Ctrl-C, or SIGTERM for a run started in the background
-# (a background job of a script ignores SIGINT), loses at most the cell in flight. Run
-# speed-capacity whole on one machine: its capacity ratios compare batches measured one after another.
+# folder land in kvzip/bench/results/full/ here, to be committed. Running a part again resumes it (`--resume`, in the
+# dtype the part began in: the bench refuses when the commit or the settings differ). Stop a part with SIGKILL
+# (`kill -KILL` of its python): every finished cell is already in the pieces folder, and the tag's bench (results-1)
+# does not stop on Ctrl-C or SIGTERM inside a generated batch (the engine finishes the rows as "interrupted"; the
+# bench went on and kept the cut batch as a finished cell; fixed after the tag). Run the capacity workload whole on
+# one machine: its ratios compare batches measured one after another.
 # Environment: KVZIP_RESULTS_TAG (default results-1), KVZIP_RESULTS_TREE (the worktree's folder).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -49,7 +51,10 @@ mkdir -p "$out"
 json=$out/$part.json
 # A finished run removes its pieces folder; an interrupted one keeps it beside a JSON marked "interrupted".
 if [ -e "$json" ] && [ ! -d "$json.parts" ]; then echo "$json is finished; nothing to do"; exit 0; fi
-if [ -d "$json.parts" ]; then args+=(--resume); fi
+if [ -d "$json.parts" ]; then  # resume in the dtype the part began in (`auto` could pick another on this CPU)
+  args+=(--resume --dtype "$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["settings"]["dtype"])' \
+    "$json.parts/run.json")")
+fi
 # From the worktree, `python -m kvzip` imports the worktree's kvzip (the working folder comes first on sys.path).
 cd "$tree"
 "$root/.venv/bin/python" -c 'import kvzip, sys; from kvzip.runs import commit

@@ -53,6 +53,25 @@ def test_capture_shapes_and_holdout(tiny, keys):
     assert train.keys[1].shape == (144, 16) and held.values[0].shape == (16, 16)
 
 
+def test_ctrl_c_while_answering_calibration_prompts_stops_there(tiny, monkeypatch):
+    """The engine catches Ctrl-C mid-batch (it keeps the cut answers for generate and chat); calibration must stop,
+    not learn a dictionary from cut answers."""
+    from kvzip import engine
+
+    step, calls = engine.Stream.step, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.Stream, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        capture.chat_documents(tiny, ByteTokenizer(), max_tokens=200, batch_size=2, max_new_tokens=6)
+    assert len(calls) == 2
+
+
 def test_post_rope_keys_match_the_cache_and_pre_rope_keys_k_proj(tiny):
     ids = list(range(3, 40))
     post = capture.capture_kv(tiny, [ids], keys="post-rope", chunk=8, store_dtype=torch.float32)
