@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from kvzip.errors import UserError
 
-KERNELS = ("auto", "torch")  # a method's `kernel` option: the fused CPU kernels where they run (kvzip/kernels), or never
+# a method's `kernel` option: the fused CPU kernels where they run and pay (kvzip/kernels), wherever they run, or never
+KERNELS = ("auto", "fused", "torch")
 
 
 def convert_option(raw: str, kind, label: str):
