@@ -141,10 +141,8 @@ def chat_documents(model, tokenizer, max_tokens: int, batch_size: int = 32, max_
         prompts = [engine.encode(tokenizer, p["question"], raw=tokenizer.chat_template is None)
                    for p in problems[start:start + batch_size]]
         cache = get_method("full").make_cache(model)
-        for event in engine.generate(model, tokenizer, prompts, cache, settings):
+        for event in engine.uninterrupted(engine.generate(model, tokenizer, prompts, cache, settings)):
             if isinstance(event, engine.Result):
-                if event.finish_reason == "interrupted":  # the engine caught Ctrl-C: stop here, not on cut answers
-                    raise KeyboardInterrupt
                 doc = prompts[event.row] + event.token_ids
                 docs.append(doc[:max_tokens - have])
                 have += len(docs[-1])

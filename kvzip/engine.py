@@ -321,3 +321,13 @@ def generate(model, tokenizer, prompts: list[list[int]], cache: KVCache, setting
     if stream.device.type == "cuda":
         stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(stream.device)
     yield Summary(stats)
+
+
+def uninterrupted(events: Iterator) -> Iterator:
+    """`generate`'s events, except that a Ctrl-C (or SIGTERM) that `generate` caught mid-batch is raised again at the
+    first row it cut short. `generate` finishes such rows as "interrupted" so that `kvzip generate` and chat keep
+    their text; a caller that measures or learns from whole answers (the bench, calibration) must stop instead."""
+    for event in events:
+        if isinstance(event, Result) and event.finish_reason == "interrupted":
+            raise KeyboardInterrupt
+        yield event

@@ -52,8 +52,9 @@ json=$out/$part.json
 # A finished run removes its pieces folder; an interrupted one keeps it beside a JSON marked "interrupted".
 if [ -e "$json" ] && [ ! -d "$json.parts" ]; then echo "$json is finished; nothing to do"; exit 0; fi
 if [ -d "$json.parts" ]; then  # resume in the dtype the part began in (`auto` could pick another on this CPU)
-  args+=(--resume --dtype "$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["settings"]["dtype"])' \
-    "$json.parts/run.json")")
+  began=$("$root/.venv/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["settings"]["dtype"])' \
+    "$json.parts/run.json")
+  args+=(--resume --dtype "$began")
 fi
 # From the worktree, `python -m kvzip` imports the worktree's kvzip (the working folder comes first on sys.path).
 cd "$tree"

@@ -31,10 +31,8 @@ def run(model, tokenizer, ids, method, tokens) -> tuple[list[int], dict]:
     cache = method.make_cache(model)
     settings = engine.Settings(max_new_tokens=tokens, ignore_eos=True)
     result = summary = None
-    for event in engine.generate(model, tokenizer, [ids], cache, settings):
+    for event in engine.uninterrupted(engine.generate(model, tokenizer, [ids], cache, settings)):
         if isinstance(event, engine.Result):
-            if event.finish_reason == "interrupted":  # Ctrl-C caught by the engine: report nothing cut short
-                raise KeyboardInterrupt
             result = event
         elif isinstance(event, engine.Summary):
             summary = event

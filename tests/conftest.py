@@ -36,6 +36,23 @@ def tiny_llama(seed: int = 0, layers: int = 2):
     return model.eval()
 
 
+def interrupt_at_step(monkeypatch, n: int) -> list:
+    """Ctrl-C (a KeyboardInterrupt) inside the n-th decode step the engine takes from now on; returns the list that
+    counts the steps taken."""
+    from kvzip import engine
+
+    step, calls = engine.Stream.step, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.Stream, "step", interrupted)
+    return calls
+
+
 @pytest.fixture
 def one_thread():
     """Run a test on one torch thread (timing-sensitive coders; the machine has two cores), then restore."""

@@ -19,6 +19,7 @@ from kvzip.bench.workloads import agreement, parse_answer
 from kvzip.errors import UserError
 from kvzip.methods import METHODS
 from kvzip.models import ModelSource
+from tests.conftest import interrupt_at_step
 from tests.matrix import tiny_options
 
 TINY = BenchConfig(workloads=("output", "prompt", "reasoning", "speed", "capacity"), output_tokens=(48, 96), output_rows=2,
@@ -288,26 +289,11 @@ def test_full_and_window_on_cuda_report_cuda_memory(tokenizer):
         assert summary.stats["cuda_max_memory_allocated"] > 0 and summary.stats["kv_bytes_peak"] > 0
 
 
-def _interrupt_at_step(monkeypatch, n: int) -> None:
-    """Ctrl-C (a KeyboardInterrupt) inside the n-th decode step the engine takes from now on."""
-    from kvzip import engine
-
-    step, calls = engine.Stream.step, []
-
-    def interrupted(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            raise KeyboardInterrupt
-        return step(self, *args, **kwargs)
-
-    monkeypatch.setattr(engine.Stream, "step", interrupted)
-
-
 @pytest.mark.parametrize("workload", ["capacity", "reasoning", "speed"])
 def test_ctrl_c_inside_a_generated_batch_keeps_no_record_of_it(workload, tiny, tokenizer, monkeypatch):
     """The engine catches Ctrl-C mid-batch and finishes the rows as "interrupted" (generate and chat keep their
     text); the bench must stop there rather than measure the cut batch and keep it as a finished cell."""
-    _interrupt_at_step(monkeypatch, 3)
+    interrupt_at_step(monkeypatch, 3)
     cfg = BenchConfig(workloads=(workload,), reasoning_prompts=2, reasoning_new_tokens=8, speed_contexts=(32,),
                       speed_new_tokens=8, repeats=1, capacity_tokens=12, capacity_max_rows=4)
     data = run_bench(tiny, tokenizer, ModelSource("tiny", "", False), [Setting("full", "full")], cfg)

@@ -16,7 +16,7 @@ from kvzip.errors import UserError
 from kvzip.methods import METHODS
 from kvzip.models import ModelSource, model_fingerprint
 from kvzip.sparse.dictionary import KVDictionary, make_meta
-from tests.conftest import ByteTokenizer, tiny_llama
+from tests.conftest import ByteTokenizer, interrupt_at_step, tiny_llama
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. " * 8).strip()
 
@@ -56,17 +56,7 @@ def test_capture_shapes_and_holdout(tiny, keys):
 def test_ctrl_c_while_answering_calibration_prompts_stops_there(tiny, monkeypatch):
     """The engine catches Ctrl-C mid-batch (it keeps the cut answers for generate and chat); calibration must stop,
     not learn a dictionary from cut answers."""
-    from kvzip import engine
-
-    step, calls = engine.Stream.step, []
-
-    def interrupted(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return step(self, *args, **kwargs)
-
-    monkeypatch.setattr(engine.Stream, "step", interrupted)
+    calls = interrupt_at_step(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         capture.chat_documents(tiny, ByteTokenizer(), max_tokens=200, batch_size=2, max_new_tokens=6)
     assert len(calls) == 2

@@ -132,21 +132,11 @@ def agreement(full: list[int], other: list[int]) -> tuple[float, float]:
     return same / n, (prefix / len(full) if full else float(not other))
 
 
-def _generate(ctx: Context, cache, prompts: list[list[int]], settings):
-    """engine.generate's events, except that a Ctrl-C (or SIGTERM) caught by the engine mid-batch ends the cell here:
-    the engine finishes such rows as "interrupted" to keep their text for `generate` and chat, but a bench that went
-    on would measure and keep the truncated batch as if it had finished."""
-    for event in engine.generate(ctx.model, ctx.tokenizer, prompts, cache, settings):
-        if isinstance(event, engine.Result) and event.finish_reason == "interrupted":
-            raise KeyboardInterrupt
-        yield event
-
-
 def _run_generate(ctx: Context, method, dictionaries, prompts: list[list[int]], settings) -> tuple[list, dict, list]:
     """(Results, the batch Summary's stats, seconds of each decode step) of one engine run, ticking per step."""
     cache = method.make_cache(ctx.model, dictionaries)
     results, summary, steps, last = [], {}, [], 0.0
-    for event in _generate(ctx, cache, prompts, settings):
+    for event in engine.uninterrupted(engine.generate(ctx.model, ctx.tokenizer, prompts, cache, settings)):
         if isinstance(event, engine.Step):
             if event.step > 0:
                 steps.append(event.elapsed_s - last)
@@ -235,7 +225,8 @@ def speed(ctx: Context, label: str, method, dictionaries) -> dict:
     full = ctx.ref["full_method"]
     warm = engine.Settings(max_new_tokens=4, ignore_eos=True)
     for m, d in ((method, dictionaries), (full, None)) if label != "full" else ((method, dictionaries),):
-        list(_generate(ctx, m.make_cache(ctx.model, d), [ctx.prose(64)], warm))
+        list(engine.uninterrupted(engine.generate(ctx.model, ctx.tokenizer, [ctx.prose(64)], m.make_cache(ctx.model, d),
+                                                  warm)))
     settings = engine.Settings(max_new_tokens=cfg.speed_new_tokens, ignore_eos=True)
     runs = []
     for length in cfg.speed_contexts:
