@@ -14,8 +14,12 @@ import dataclasses
 import pytest
 import torch
 
-from kvzip import engine, kernels
+from kvzip import dictfiles, engine, kernels
 from kvzip.methods import get_method
+from kvzip.methods.coded.coding import CodingStats
+from kvzip.methods.coded.compress import compress
+from kvzip.methods.fadkv import FadkvLayer
+from kvzip.sparse.dictionary import KVDictionary, prepare_layers
 from tests.test_fadkv import SMALL, make_layer, step
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.status())
@@ -52,6 +56,24 @@ def test_coded_decode_attention_equals_the_reference(tiny_dictionaries, keys, ad
         assert layer.coded_keys.overlay.ids.shape[1] > 0  # overlay atoms are read through the lookup table
     got, want = fused_and_reference(layer, torch.randn(3, 4, 1, 16, generator=g))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("keys", ["pre-rope", "post-rope"])
+@pytest.mark.parametrize("dense", [torch.float32, torch.bfloat16])
+def test_coded_decode_attention_at_the_shipped_head_size(keys, dense):
+    """The shipped SmolLM2 dictionaries (d = 64, the head size the kernel compiles in, 3 query heads per KV head as
+    the default model): the kernel equals the reference on random keys and values coded with the default options."""
+    stem = "smollm2-135m-prerope" if keys == "pre-rope" else "smollm2-135m"
+    dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
+    inv = 1.0 / (100000.0 ** (torch.arange(0, 64, 2).float() / 64)) if keys == "pre-rope" else None
+    method = get_method("fadkv", {"keys": keys, "kernel": "fused"})
+    layer = FadkvLayer(method, prepare_layers(dictionaries, "cpu", paired=inv is not None)[3], rope=inv)
+    g = torch.Generator().manual_seed(1)
+    layer.update(torch.randn(2, 3, 300, 64, generator=g).to(dense), torch.randn(2, 3, 300, 64, generator=g).to(dense))
+    compress([layer], True, CodingStats())
+    assert layer.coded_pos.shape[1] > 100
+    got, want = fused_and_reference(layer, torch.randn(2, 9, 1, 64, generator=g))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_holes_and_masked_columns_are_never_read(tiny_dictionaries):
@@ -177,13 +199,14 @@ def test_bfloat16_screening_codes_as_well_as_float32():
         assert abs(err[True, fused] / err[False, fused] - 1) < 0.01, err
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pooled_decode_attention_equals_sdpa_on_the_gathered_rows(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [32, 64])  # 64: the head size compiled in (NV), as the default model's
+def test_pooled_decode_attention_equals_sdpa_on_the_gathered_rows(dtype, d):
     """Rows as slot lists into a shared pool (Hkv, N, d), empty slots (-1) and left padding (positions before `first`)
     unseen, free slots between: the kernel equals SDPA over the same rows gathered into a rectangle, a row that sees
     nothing gives zeros."""
     torch.manual_seed(0)
-    b, h, g, d, n, w = 4, 2, 3, 32, 60, 12
+    b, h, g, n, w = 4, 2, 3, 60, 12
     keys, values = torch.randn(h, n, d).to(dtype), torch.randn(h, n, d).to(dtype)
     slots = torch.randperm(n)[: b * w].view(b, w)
     slots[1, :5] = -1  # a shorter row

@@ -68,7 +68,7 @@ inline const float* atom_at(const float* shared, const float* extra, int64_t off
   return offset >= 0 ? shared + offset : extra + (-1 - offset) * d;
 }
 
-// One (row, KV head). NV: vectors per head (d / 16) when known at compile time, else 0 (then a.d / 16).
+// One (row, KV head). NV: vectors per head (d / kLanes) when known at compile time, else 0 (then a.d / kLanes).
 template <typename idx_t, typename coef_t, typename dense_t, int64_t NV>
 void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vector<float>& acc,
                 std::vector<float>& qd, std::vector<char>& seen) {
@@ -249,8 +249,8 @@ void attend(const Args& a) {
 
 template <typename idx_t, typename coef_t, typename dense_t>
 void dispatch_size(const Args& a) {
-  if (a.d == 64) return attend<idx_t, coef_t, dense_t, 4>(a);
-  if (a.d == 128) return attend<idx_t, coef_t, dense_t, 8>(a);
+  if (a.d == 64) return attend<idx_t, coef_t, dense_t, 64 / kLanes>(a);
+  if (a.d == 128) return attend<idx_t, coef_t, dense_t, 128 / kLanes>(a);
   return attend<idx_t, coef_t, dense_t, 0>(a);
 }
 

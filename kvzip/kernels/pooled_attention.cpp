@@ -78,7 +78,7 @@ void attend(const Args& a) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / runs, lo = task % runs * run_len, hi = std::min(N, lo + run_len);
       float* row_top = top.data() + task * B * G;
-      for (int64_t s0 = lo; s0 < hi; s0 += kLanes) {  // sixteen slots at a time: their sums across lanes at once
+      for (int64_t s0 = lo; s0 < hi; s0 += kLanes) {  // kLanes slots at a time: their sums across lanes at once
         const int64_t m = std::min<int64_t>(kLanes, hi - s0);
         bool any = false;
         for (int64_t i = 0; i < kLanes; ++i) {
@@ -172,8 +172,8 @@ void attend(const Args& a) {
 
 template <typename scalar_t>
 void dispatch_size(const Args& a) {
-  if (a.d == 64) return attend<scalar_t, 4>(a);
-  if (a.d == 128) return attend<scalar_t, 8>(a);
+  if (a.d == 64) return attend<scalar_t, 64 / kLanes>(a);
+  if (a.d == 128) return attend<scalar_t, 128 / kLanes>(a);
   return attend<scalar_t, 0>(a);
 }
 

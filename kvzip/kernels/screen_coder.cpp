@@ -88,7 +88,8 @@ inline float corr_value(at::BFloat16 c) { return static_cast<float>(c); }
 inline int32_t corr_bits(float c) { return std::bit_cast<int32_t>(c); }
 inline int32_t corr_bits(at::BFloat16 c) { return static_cast<int32_t>(c.x) << 16; }
 
-// One vector. NV: vectors of 16 channels per atom when known at compile time (d = 64: 4), else 0 (then d / 16).
+// One vector. NV: vectors of kLanes channels per atom when known at compile time (d = 64: 64 / kLanes), else 0
+// (then d / kLanes).
 template <int64_t NV, typename corr_t>
 void pursue_one(const Pursuit& p, int64_t v, Room& room) {
   const int64_t d = p.d, s = p.steps, nv = NV ? NV : d / kLanes;
@@ -248,9 +249,9 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
               std::vector<int32_t>(ntot), std::vector<char>(n)};
     for (int64_t v = begin; v < end; ++v) {
       if (half)
-        d == 64 ? pursue_one<4, at::BFloat16>(p, v, room) : pursue_one<0, at::BFloat16>(p, v, room);
+        d == 64 ? pursue_one<64 / kLanes, at::BFloat16>(p, v, room) : pursue_one<0, at::BFloat16>(p, v, room);
       else
-        d == 64 ? pursue_one<4, float>(p, v, room) : pursue_one<0, float>(p, v, room);
+        d == 64 ? pursue_one<64 / kLanes, float>(p, v, room) : pursue_one<0, float>(p, v, room);
     }
   });
   return {idx, coef, res};

@@ -1,6 +1,9 @@
-// Small helpers both kernels share: sixteen floats as one value (GCC vector extension: one AVX-512 register, two
-// AVX2 ones), loads and stores that never assume alignment, and a pairwise horizontal sum. With the vectors per
-// head (NV = d / 16) known at compile time, a loop over a head's channels keeps its operands in registers.
+// Small helpers the kernels share: a CPU register's worth of floats as one value (GCC vector extension: sixteen on
+// AVX-512, eight elsewhere), loads and stores that never assume alignment, and pairwise horizontal sums. With the
+// vectors per head (NV = d / kLanes) known at compile time, a loop over a head's channels keeps its operands in
+// registers. The width follows the machine the kernels are built for (-march=native): a sixteen-float vector on an
+// AVX2-only CPU is two registers that GCC moves through the stack in halves (stores then wider loads that the CPU
+// cannot forward), which made the coded-attention kernel 2.5x slower than the PyTorch path there (docs/lab-notes.md).
 #pragma once
 
 #include <cmath>
@@ -9,11 +12,19 @@
 #include <type_traits>
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace kvzip_vec {
 
-typedef float vf __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(kLanes * 4)));
 
 inline vf load(const float* p) {
   vf v;
@@ -26,14 +37,23 @@ inline vf load_as_float(const scalar_t* p) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return load(p);
   } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // a bf16 is a float's top half: widen and shift
-    typedef uint16_t vh __attribute__((vector_size(32)));
-    typedef uint32_t vu __attribute__((vector_size(64)));
+    typedef uint16_t vh __attribute__((vector_size(kLanes * 2)));
+    typedef uint32_t vu __attribute__((vector_size(kLanes * 4)));
     vh h;
     std::memcpy(&h, p, sizeof(h));
     const vu bits = __builtin_convertvector(h, vu) << 16;
     vf v;
     std::memcpy(&v, &bits, sizeof(v));
     return v;
+#if defined(__F16C__)
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {  // eight halves at a time by the CPU's own conversion
+    vf v;
+    for (int64_t i = 0; i < kLanes; i += 8) {
+      const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+      std::memcpy(reinterpret_cast<float*>(&v) + i, &x, sizeof(x));
+    }
+    return v;
+#endif
   } else {
     float tmp[kLanes];
     for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
@@ -43,18 +63,23 @@ inline vf load_as_float(const scalar_t* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
-inline float hsum(vf v) {  // pairwise, in four shuffles and adds
-  typedef float v8 __attribute__((vector_size(32)));
+inline float hsum(vf v) {  // pairwise, halving the vector until four lanes are left
   typedef float v4 __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
+  typedef float v8 __attribute__((vector_size(32)));
   const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const vf a = v;
+#endif
   const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// Sixteen horizontal sums at once: lane i of the result is the sum of x[i]'s lanes. Four levels, each adding the
-// two halves of pairs of vectors' partial sums: 15 adds and 30 shuffles where sixteen `hsum`s take 64 of each.
+// kLanes horizontal sums at once: lane i of the result is the sum of x[i]'s lanes. Each level adds the two halves of
+// pairs of vectors' partial sums (sixteen lanes: 15 adds and 30 shuffles where sixteen `hsum`s take 64 of each).
 inline vf transpose_sum(const vf* x) {
+#if defined(__AVX512F__)
   vf s1[8], s2[4], s3[2];
   for (int i = 0; i < 8; ++i)  // lanes 0-7: x[2i]'s eight partial sums, 8-15: x[2i + 1]'s
     s1[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1],
@@ -75,6 +100,17 @@ inline vf transpose_sum(const vf* x) {
                                     0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(s3[0], s3[1],
                                     1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vf s1[4], s2[2];
+  for (int i = 0; i < 4; ++i)  // lanes 0-3: x[2i]'s four partial sums, 4-7: x[2i + 1]'s
+    s1[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+            __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // two partial sums each of x[4i .. 4i + 3]
+    s2[i] = __builtin_shufflevector(s1[2 * i], s1[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+            __builtin_shufflevector(s1[2 * i], s1[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(s2[0], s2[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(s2[0], s2[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
 // the dot product of two rows of nv vectors
