@@ -5,7 +5,7 @@ coding of each chunk and the machine's load; this isolates the part that compres
 A `FadkvLayer` of the default model's shipped dictionaries (layer 10) is filled with --tokens random keys and values
 (the cost does not depend on what the codes hold) and coded, then one query at a time is timed through
 `FadkvLayer._attention`, best of --repeats, for pre-RoPE keys (the default dictionary) and post-RoPE keys, by the
-fused CPU kernel (kvzip/kernels, `kernel=fused`) and by the PyTorch reference (`kernel=torch`); dense is kvzip's
+fused CPU kernel (kvzip/kernels, `kernel=auto`) and by the PyTorch reference (`kernel=torch`); dense is kvzip's
 grouped decode kernel (`kvzip.attention.grouped_attention`, SDPA with each KV head's query heads stacked) over fp32
 keys and values of the same length (3 KV heads, 9 query heads, d=64, as SmolLM2-135M), for --batch rows. Threads:
 OMP_NUM_THREADS (default 1).
@@ -69,18 +69,18 @@ def main() -> None:
     for label, stem, mode in (("pre-RoPE keys (default)", "smollm2-135m-prerope", "pre-rope"),
                               ("post-RoPE keys", "smollm2-135m", "post-rope")):
         dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
-        for kernel in ("fused", "torch"):
+        for kernel in ("auto", "torch"):
             method = get_method("fadkv", {"keys": mode, "kernel": kernel, **opts})
             paired = mode == "pre-rope"
             layer = FadkvLayer(method, prepare_layers(dictionaries, "cpu", paired=paired)[args.layer],
                                rope=inv_freq if paired else None)
             layer.update(keys, values)
             compress([layer], True, CodingStats())
-            if kernel == "fused" and not layer._fused():
+            if kernel == "auto" and not layer._fused():
                 print(f"fadkv {label}: no fused kernel here ({kernels.status()})")
                 continue
             coded = best_ms(lambda: layer._attention(query, None, d ** -0.5), args.repeats)
-            print(f"fadkv {label}, {'fused kernel' if kernel == 'fused' else 'PyTorch path'}: {coded:.2f} ms "
+            print(f"fadkv {label}, {'fused kernel' if kernel == 'auto' else 'PyTorch path'}: {coded:.2f} ms "
                   f"({coded / dense:.2f}x dense), {layer.coded_pos.shape[1]} tokens coded")
 
 if __name__ == "__main__":

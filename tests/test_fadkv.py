@@ -66,7 +66,7 @@ def dense_keys_values(layer, row):
     return keys[:, real], values[:, real]  # (H, stored, d)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "fused"])  # the PyTorch reference and, where built, the fused kernel
+@pytest.mark.parametrize("kernel", ["torch", "auto"])  # the PyTorch reference and, where built, the fused kernel
 @pytest.mark.parametrize("adapt, value_sparsity", [("none", "0"), ("fixed", "0"), ("append", "0"), ("fixed", "6")])
 def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, value_sparsity, kernel):
     _, layer = make_layer(tiny_dictionaries, adapt=adapt, adapt_threshold="0.2", value_sparsity=value_sparsity,
@@ -86,7 +86,7 @@ def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, val
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "fused"])
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
 @pytest.mark.parametrize("adapt", ["none", "fixed"])
 def test_prerope_attention_equals_dense_reference(tiny_dictionaries, adapt, kernel, monkeypatch):
     """keys=pre-rope: keys are turned back to content before coding, and scores rebuild each chunk of codes and apply

@@ -46,7 +46,7 @@ def fused_and_reference(layer, query, mask=None):
 def test_coded_decode_attention_equals_the_reference(tiny_dictionaries, keys, adapt, value_sparsity, coef, dense):
     inv = INV_FREQ if keys == "pre-rope" else None
     _, layer = make_layer(tiny_dictionaries, batch=3, adapt=adapt, adapt_threshold="0.2", keys=keys, inv_freq=inv,
-                          value_sparsity=value_sparsity, coef_format=coef, kernel="fused")
+                          value_sparsity=value_sparsity, coef_format=coef, kernel="auto")
     g = torch.Generator().manual_seed(5)
     for _ in range(70):
         k, v = torch.randn(3, 2, 1, 16, generator=g), torch.randn(3, 2, 1, 16, generator=g)
@@ -66,7 +66,7 @@ def test_coded_decode_attention_at_the_shipped_head_size(keys, dense):
     stem = "smollm2-135m-prerope" if keys == "pre-rope" else "smollm2-135m"
     dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
     inv = 1.0 / (100000.0 ** (torch.arange(0, 64, 2).float() / 64)) if keys == "pre-rope" else None
-    method = get_method("fadkv", {"keys": keys, "kernel": "fused"})
+    method = get_method("fadkv", {"keys": keys, "kernel": "auto"})
     layer = FadkvLayer(method, prepare_layers(dictionaries, "cpu", paired=inv is not None)[3], rope=inv)
     g = torch.Generator().manual_seed(1)
     layer.update(torch.randn(2, 3, 300, 64, generator=g).to(dense), torch.randn(2, 3, 300, 64, generator=g).to(dense))
@@ -79,7 +79,7 @@ def test_coded_decode_attention_at_the_shipped_head_size(keys, dense):
 def test_holes_and_masked_columns_are_never_read(tiny_dictionaries):
     """A row whose coded tier and dense tier have holes (-1), and a mask hiding columns: both paths skip them alike;
     a query row that sees nothing gets zeros from both."""
-    _, layer = make_layer(tiny_dictionaries, batch=2, adapt="fixed", adapt_threshold="0.2", kernel="fused")
+    _, layer = make_layer(tiny_dictionaries, batch=2, adapt="fixed", adapt_threshold="0.2", kernel="auto")
     g = torch.Generator().manual_seed(2)
     for _ in range(50):
         step(layer, torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g),
@@ -97,7 +97,7 @@ def test_holes_and_masked_columns_are_never_read(tiny_dictionaries):
 def test_left_padding_masks_are_read_from_positions(tiny_dictionaries):
     """A mask that hides only each row's first positions (the engine's left padding) is not gathered: the kernel
     tells what a query sees from the tokens' positions, with holes; the same output as the reference."""
-    _, layer = make_layer(tiny_dictionaries, batch=2, kernel="fused")
+    _, layer = make_layer(tiny_dictionaries, batch=2, kernel="auto")
     g = torch.Generator().manual_seed(3)
     for _ in range(50):
         step(layer, torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g),
@@ -123,14 +123,14 @@ def test_generation_with_the_kernel_equals_the_reference(tiny, tokenizer, tiny_d
     prompts = [tokenizer("Q?")["input_ids"], tokenizer("a longer question, padded less?")["input_ids"]]
     settings = engine.Settings(max_new_tokens=60, ignore_eos=True)
     out = {}
-    for kernel in ("fused", "torch"):
+    for kernel in ("auto", "torch"):
         m = get_method(method, {**SMALL, "kernel": kernel} if method == "fadkv" else
                        {"sparsity": "4", "buffer": "8", "code_chunk": "4", "sinks": "2", "kernel": kernel})
         cache = m.make_cache(tiny, tiny_dictionaries)
         events = list(engine.generate(tiny, tokenizer, prompts, cache, settings))
         out[kernel] = [e.token_ids for e in events if isinstance(e, engine.Result)]
         assert cache.layers[0].coded_pos.shape[1] > 20
-    assert out["fused"] == out["torch"]
+    assert out["auto"] == out["torch"]
 
 
 @pytest.mark.parametrize("shots, pick", [(1, "champions"), (2, "champions"), (2, "top")])
@@ -250,14 +250,3 @@ def test_thought_caches_attend_alike_with_the_kernel_and_the_reference(tiny, tok
         want = layer._attention(query, mask, 0.25)
         cache.config = dataclasses.replace(cache.config, kernel="auto")
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("capability, fused", [("AVX512", True), ("AVX2", False), ("DEFAULT", False)])
-def test_auto_runs_the_coded_attention_kernel_only_where_it_pays(tiny_dictionaries, monkeypatch, capability, fused):
-    """`kernel=auto` leaves coded attention to the PyTorch path on a CPU without AVX-512 (the kernel measured 2.6x
-    slower there); `kernel=fused` runs it wherever it is built, `kernel=torch` nowhere."""
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    for kernel, want in (("auto", fused), ("fused", True), ("torch", False)):
-        _, layer = make_layer(tiny_dictionaries, batch=1, kernel=kernel)
-        step(layer, torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 4, 1, 16))
-        assert layer._fused() is want, (capability, kernel)

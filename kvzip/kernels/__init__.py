@@ -31,7 +31,11 @@ import torch
 
 SOURCES = ("coded_attention.cpp", "screen_coder.cpp", "pooled_attention.cpp")
 OPS = ("coded_decode_attention", "screen_pursue", "pooled_decode_attention")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno")
+# at::parallel_for is inline code in torch's OpenMP builds: compiled without -fopenmp its `omp parallel` is dropped and
+# a kernel runs on one thread (coded attention at batch 8 x 1,024 on two cores: 2.2 against 1.2 ms a layer). The
+# runtime it links is the libgomp.so.1 torch has already loaded (the same soname), so the two share one thread pool.
+OPENMP = torch.backends.openmp.is_available()
+FLAGS = ("-O3", "-march=native", "-fopenmp" if OPENMP else "-fopenmp-simd", "-fno-math-errno")
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "ok": bool once tried, "why": the reason it is not available
 
@@ -50,7 +54,8 @@ def _build() -> None:
     # torch's loader rebuilds when a source or a flag changes, not a header: the header's hash goes in as a flag
     header = hashlib.sha1((here / "vec.h").read_bytes()).hexdigest()[:12]
     cpp_extension.load(name="kvzip_kernels", sources=[str(here / s) for s in SOURCES],
-                       extra_cflags=[*FLAGS, f"-DKVZIP_VEC_H={header}"], build_directory=str(folder),
+                       extra_cflags=[*FLAGS, f"-DKVZIP_VEC_H={header}"], extra_ldflags=["-fopenmp"] if OPENMP else [],
+                       build_directory=str(folder),
                        is_python_module=False, verbose=False)
 
 
@@ -73,15 +78,6 @@ def available() -> bool:
                     _STATE.update(ok=False, why=f"could not be built ({first})")
                     warnings.warn(f"kvzip: fused CPU kernels {_STATE['why']}; using the PyTorch path", stacklevel=2)
     return bool(_STATE["ok"])
-
-
-def coded_attention_pays() -> bool:
-    """Whether `coded_decode_attention` beats the PyTorch reference on this CPU, so that `kernel=auto` runs it
-    (`kernel=fused` runs it wherever it is built). It keeps a KV head's query rows and each rebuilt key in sixteen-float
-    vectors, which AVX-512's 32 registers hold and AVX2's 16 do not: one layer at batch 8 x 1,024 took 1.39 against
-    2.1 ms for the reference on an AVX-512 CPU (bf16), and 10.3 against 3.9 ms on an AVX2-only one (fp32)
-    (docs/lab-notes.md). The coder's and the token pool's kernels were not slower there, so they run wherever built."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def status() -> str:

@@ -186,9 +186,15 @@ void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vect
       std::fill(w, w + W, 0.f);
       continue;
     }
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < W; ++t) {
+    vf sums = vf{};
+    int64_t t = 0;
+    for (; t + kLanes <= W; t += kLanes) {
+      const vf e = exp_nonpositive(load(w + t) - top);
+      store(w + t, e);
+      sums += e;
+    }
+    float total = hsum(sums);
+    for (; t < W; ++t) {
       w[t] = exp_nonpositive(w[t] - top);
       total += w[t];
     }

@@ -141,4 +141,25 @@ inline float exp_nonpositive(float x) {
   return x <= -87.f ? 0.f : p * scale;
 }
 
+// The same on kLanes values at once (rounding to an integer by adding and taking away 1.5 * 2^23).
+inline vf exp_nonpositive(vf x) {
+  typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+  const vf lowest = vf{} - 87.f, magic = vf{} + 12582912.f;
+  x = x < lowest ? lowest : x;
+  const vf n = (x * 1.44269504088896341f + magic) - magic;
+  const vf r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  vf p = vf{} + 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x <= lowest ? vf{} : p * scale;
+}
+
 }  // namespace kvzip_vec

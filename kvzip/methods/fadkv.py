@@ -183,7 +183,7 @@ class Fadkv(Method):
     code_chunk: int = 32
     sinks: int = 4
     keys: str = "auto"  # auto: as the dictionary was trained; the default file is the pre-RoPE one when shipped
-    kernel: str = "auto"  # auto: the fused CPU kernels where they run and pay (kvzip/kernels); fused: where they run
+    kernel: str = "auto"  # auto: the fused CPU kernels where they are built (kvzip/kernels); torch: never
     preferred_keys: typing.ClassVar[str] = "pre-rope"
 
     def __post_init__(self):

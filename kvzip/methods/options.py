@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from kvzip.errors import UserError
 
-# a method's `kernel` option: the fused CPU kernels where they run and pay (kvzip/kernels), wherever they run, or never
-KERNELS = ("auto", "fused", "torch")
+# a method's `kernel` option: the fused CPU kernels wherever they are built and apply (kvzip/kernels), or never
+KERNELS = ("auto", "torch")
 
 
 def convert_option(raw: str, kind, label: str):

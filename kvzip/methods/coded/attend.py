@@ -4,7 +4,7 @@
 tier `keys`, `values`, `positions`, its coded tiers `coded_keys`, `coded_values` at `coded_pos`, its `rope`, `key_mean`
 and options `cfg`). Decoding never keeps a dense copy of the past:
 - one new token per row on the CPU runs `torch.ops.kvzip.coded_decode_attention` (kvzip/kernels) when `kernel=auto`
-  and the kernel is built and pays on this CPU (or `kernel=fused`): one pass per row and KV head;
+  and the kernel is built: one pass per row and KV head;
 - otherwise the reference: post-RoPE scores gather q·D by code and add one q·mean term; pre-RoPE scores rebuild one
   chunk of SCORE_CHUNK keys at a time (mean added back, RoPE applied, chunk dropped); values are summed per atom and
   multiplied by the value dictionary once (kvzip/sparse/attention.py), or rebuilt chunk by chunk for a multi-token
@@ -72,12 +72,9 @@ class CodedAttention:
 
     def _fused(self) -> bool:
         """Whether one new token's attention runs in the fused CPU kernel (kvzip/kernels) rather than the PyTorch
-        reference below: on the CPU, int8 or fp16 coefficients, the kernel built, and `kernel=fused`, or `kernel=auto`
-        on a CPU where it pays (`kernels.coded_attention_pays`)."""
-        mode = self.cfg.kernel
-        return (mode != "torch" and self.keys.device.type == "cpu"
-                and self.coded_keys.codes.stored.dtype in (torch.int8, torch.float16) and kernels.available()
-                and (mode == "fused" or kernels.coded_attention_pays()))
+        reference below: `kernel=auto`, on the CPU, int8 or fp16 coefficients, the kernel built."""
+        return (self.cfg.kernel != "torch" and self.keys.device.type == "cpu"
+                and self.coded_keys.codes.stored.dtype in (torch.int8, torch.float16) and kernels.available())
 
     def _fused_attention(self, query, mask, scaling):
         """query (B, Hq, 1, d) -> (B, 1, Hq, d) by `torch.ops.kvzip.coded_decode_attention`: the same attention as

@@ -169,8 +169,8 @@ class ThoughtLayer(DenseLayer):
         return out.transpose(1, 2).contiguous()
 
     def _fused(self, query) -> bool:
-        """Whether one new token's attention runs in the fused CPU kernel on the pool (kvzip/kernels): `kernel=auto`
-        or `fused`, one token on a full-attention layer (a sliding window's mask is the general one), on the CPU,
+        """Whether one new token's attention runs in the fused CPU kernel on the pool (kvzip/kernels): `kernel=auto`,
+        one token on a full-attention layer (a sliding window's mask is the general one), on the CPU,
         the kernel built."""
         d, group = query.shape[3], query.shape[1] // self.kv_heads
         return (query.shape[2] == 1 and self.sliding is None and query.device.type == "cpu" and d % 16 == 0
