@@ -15,8 +15,9 @@ The plain PyTorch code stays the reference every kernel is tested against (tests
 runs where a kernel cannot be built (no C++ compiler, a torch without its headers) or does not apply (CUDA, a
 coefficient format the kernel does not read): `available()` says which, and `status()` why, in one line.
 
-Built with -O3 -march=native for the machine it runs on, in `$KVZIP_CACHE/kernels` (default ~/.cache/kvzip/kernels);
-torch's loader rebuilds when the sources or flags change and locks the folder, so parallel ranks build it once.
+Built with -O3 -march=native for the machine it runs on, and OpenMP (each kernel splits its work over torch's
+threads), in `$KVZIP_CACHE/kernels` (default ~/.cache/kvzip/kernels); torch's loader rebuilds when the sources or
+flags change and locks the folder, so parallel ranks build it once.
 """
 
 from __future__ import annotations
