@@ -120,21 +120,27 @@ inline float dot_rows(const float* a, const float* b, int64_t nv) {
   return hsum(acc);
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), -inf and anything below -87 giving 0: 2^n times a degree-7
-// polynomial on |r| <= ln2 / 2 (relative error ~2e-7), branch-free so that a loop of it vectorizes, where std::exp
-// does not (glibc's vector exp needs -ffast-math, which would drop -inf from the scores).
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  float p = 1.f / 5040.f;
+// e^r on |r| <= ln2 / 2 by its degree-7 Taylor polynomial, for a float or a vector of them
+template <typename T>
+inline T exp_series(T r) {
+  T p = T{} + 1.f / 5040.f;
   p = p * r + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
   p = p * r + 1.f / 24.f;
   p = p * r + 1.f / 6.f;
   p = p * r + 0.5f;
   p = p * r + 1.f;
-  p = p * r + 1.f;
+  return p * r + 1.f;
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), -inf and anything below -87 giving 0: 2^n times a degree-7
+// polynomial on |r| <= ln2 / 2 (relative error ~2e-7), branch-free; not std::exp, whose vector form in glibc needs
+// -ffast-math, which would drop -inf from the scores.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  const float p = exp_series(r);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -148,14 +154,7 @@ inline vf exp_nonpositive(vf x) {
   x = x < lowest ? lowest : x;
   const vf n = (x * 1.44269504088896341f + magic) - magic;
   const vf r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  vf p = vf{} + 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const vf p = exp_series(r);
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   std::memcpy(&scale, &bits, sizeof(scale));
