@@ -46,7 +46,7 @@ def fused_and_reference(layer, query, mask=None):
 def test_coded_decode_attention_equals_the_reference(tiny_dictionaries, keys, adapt, value_sparsity, coef, dense):
     inv = INV_FREQ if keys == "pre-rope" else None
     _, layer = make_layer(tiny_dictionaries, batch=3, adapt=adapt, adapt_threshold="0.2", keys=keys, inv_freq=inv,
-                          value_sparsity=value_sparsity, coef_format=coef, kernel="auto")
+                          value_sparsity=value_sparsity, coef_format=coef)
     g = torch.Generator().manual_seed(5)
     for _ in range(70):
         k, v = torch.randn(3, 2, 1, 16, generator=g), torch.randn(3, 2, 1, 16, generator=g)
@@ -66,7 +66,7 @@ def test_coded_decode_attention_at_the_shipped_head_size(keys, dense):
     stem = "smollm2-135m-prerope" if keys == "pre-rope" else "smollm2-135m"
     dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
     inv = 1.0 / (100000.0 ** (torch.arange(0, 64, 2).float() / 64)) if keys == "pre-rope" else None
-    method = get_method("fadkv", {"keys": keys, "kernel": "auto"})
+    method = get_method("fadkv", {"keys": keys})
     layer = FadkvLayer(method, prepare_layers(dictionaries, "cpu", paired=inv is not None)[3], rope=inv)
     g = torch.Generator().manual_seed(1)
     layer.update(torch.randn(2, 3, 300, 64, generator=g).to(dense), torch.randn(2, 3, 300, 64, generator=g).to(dense))
@@ -79,7 +79,7 @@ def test_coded_decode_attention_at_the_shipped_head_size(keys, dense):
 def test_holes_and_masked_columns_are_never_read(tiny_dictionaries):
     """A row whose coded tier and dense tier have holes (-1), and a mask hiding columns: both paths skip them alike;
     a query row that sees nothing gets zeros from both."""
-    _, layer = make_layer(tiny_dictionaries, batch=2, adapt="fixed", adapt_threshold="0.2", kernel="auto")
+    _, layer = make_layer(tiny_dictionaries, batch=2, adapt="fixed", adapt_threshold="0.2")
     g = torch.Generator().manual_seed(2)
     for _ in range(50):
         step(layer, torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g),
@@ -97,7 +97,7 @@ def test_holes_and_masked_columns_are_never_read(tiny_dictionaries):
 def test_left_padding_masks_are_read_from_positions(tiny_dictionaries):
     """A mask that hides only each row's first positions (the engine's left padding) is not gathered: the kernel
     tells what a query sees from the tokens' positions, with holes; the same output as the reference."""
-    _, layer = make_layer(tiny_dictionaries, batch=2, kernel="auto")
+    _, layer = make_layer(tiny_dictionaries, batch=2)
     g = torch.Generator().manual_seed(3)
     for _ in range(50):
         step(layer, torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g),

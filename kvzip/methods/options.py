@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from kvzip.errors import UserError
 
-# a method's `kernel` option: the fused CPU kernels wherever they are built and apply (kvzip/kernels), or never
-KERNELS = ("auto", "torch")
+KERNELS = ("auto", "torch")  # a method's `kernel` option: the fused CPU kernels where they run (kvzip/kernels), or never
 
 
 def convert_option(raw: str, kind, label: str):

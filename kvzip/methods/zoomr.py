@@ -45,7 +45,7 @@ class ThoughtOptions(Method):
     max_thought_tokens: int = 128
     begin_marker: str = "<|begin_of_summary|>"
     end_marker: str = "<|end_of_summary|>"
-    kernel: str = "auto"  # auto: attention in the fused CPU kernel on the token pool where built; torch: never
+    kernel: str = "auto"  # auto: decode attention in the fused CPU kernel over the token pool where it runs; torch: never
 
     def __post_init__(self):
         check_choice("summary_source", self.summary_source, SUMMARY_SOURCES)

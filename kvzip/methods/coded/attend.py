@@ -72,8 +72,8 @@ class CodedAttention:
 
     def _fused(self) -> bool:
         """Whether one new token's attention runs in the fused CPU kernel (kvzip/kernels) rather than the PyTorch
-        reference below: `kernel=auto`, on the CPU, int8 or fp16 coefficients, the kernel built."""
-        return (self.cfg.kernel != "torch" and self.keys.device.type == "cpu"
+        reference below: `kernel=auto`, on the CPU, int8 or fp16 coefficients, and the kernel built."""
+        return (self.cfg.kernel == "auto" and self.keys.device.type == "cpu"
                 and self.coded_keys.codes.stored.dtype in (torch.int8, torch.float16) and kernels.available())
 
     def _fused_attention(self, query, mask, scaling):

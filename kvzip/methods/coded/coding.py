@@ -36,12 +36,12 @@ CHUNK = 16384
 
 def code(options: "Fadkv", x: torch.Tensor, atoms: Grouped, sparsity: int):
     """x (G, m, d) -> idx, coef (G, m, s), group g coded over group g's atoms, by the options' coder (screening's
-    pursuit in the fused CPU kernel unless `kernel=torch`, where it runs, kvzip/kernels), and the residuals x - D c
+    pursuit in the fused CPU kernel where `kernel=auto` and it runs, kvzip/kernels), and the residuals x - D c
     (G, m, d)."""
     if options.coder == "omp":
         idx, coef = omp(x, atoms, sparsity)
     else:
-        fused = options.kernel != "torch" and x.device.type == "cpu" and kernels.available()
+        fused = options.kernel == "auto" and x.device.type == "cpu" and kernels.available()
         idx, coef, res = screen(x, atoms, sparsity, n=options.screen_pool, shots=options.screen_shots,
                                 pick=options.screen_pick, chunk=CHUNK, fused=fused, residuals=True)
         return idx, coef, res

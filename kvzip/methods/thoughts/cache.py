@@ -60,7 +60,7 @@ class ThoughtConfig:
     window: int
     zoom: Zoom | None = None
     detail: list | None = None
-    kernel: str = "auto"  # auto or fused: one new token's attention in the fused CPU kernel where it runs; torch: never
+    kernel: str = "auto"  # auto: one new token's attention in the fused CPU kernel where it runs; torch: never
 
     def __post_init__(self):
         assert self.zoom is None or self.detail is not None, "zooming in needs a detail tier to load thoughts from"
@@ -170,11 +170,11 @@ class ThoughtLayer(DenseLayer):
 
     def _fused(self, query) -> bool:
         """Whether one new token's attention runs in the fused CPU kernel on the pool (kvzip/kernels): `kernel=auto`,
-        one token on a full-attention layer (a sliding window's mask is the general one), on the CPU,
-        the kernel built."""
+        one token on a full-attention layer (a sliding window's mask is the general one), on the CPU, the kernel
+        built."""
         d, group = query.shape[3], query.shape[1] // self.kv_heads
         return (query.shape[2] == 1 and self.sliding is None and query.device.type == "cpu" and d % 16 == 0
-                and d <= 256 and group <= 32 and self.cache.config.kernel != "torch" and kernels.available())
+                and d <= 256 and group <= 32 and self.cache.config.kernel == "auto" and kernels.available())
 
     def _pooled_attention(self, query, mask, scaling):
         """The fused kernel over each row's slots: a slot counts from the row's first real position on (the engine's
