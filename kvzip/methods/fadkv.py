@@ -126,17 +126,21 @@ class FadkvCache(KVCache):
         super().__init__(layers, method)
         self.shared_bytes = shared_bytes  # the shared dictionary: reported apart, not counted as cache, like weights
         self.coding, self.prefill, self.devices = CodingStats(), False, devices or [None] * len(layers)
+        self.quiet = 0  # decode steps left before any row can have a chunk to code (compress says after each look)
 
     def reset(self) -> None:
         super().reset()
-        self.coding = CodingStats()
+        self.coding, self.quiet = CodingStats(), 0
 
     def before_forward(self, attention_mask: torch.Tensor, new_tokens: int) -> None:
         self.prefill = new_tokens > 1  # a prompt codes all beyond sinks and buffer, a decode step whole chunks
+        self.quiet = 0 if self.prefill else self.quiet - 1
 
     def after_forward(self) -> None:
-        for device in dict.fromkeys(self.devices):  # a model split over devices: each one's layers (and atoms) apart
-            compress([x for x, d in zip(self.layers, self.devices) if d == device], self.prefill, self.coding)
+        if self.quiet <= 0:  # else no row of any layer has a chunk yet: not even the counts are read
+            self.quiet = min(compress([x for x, d in zip(self.layers, self.devices) if d == device], self.prefill,
+                                      self.coding)
+                             for device in dict.fromkeys(self.devices))  # a model over devices: each one's layers
         for layer in self.layers:
             if layer.sliding is not None:
                 layer._slide()

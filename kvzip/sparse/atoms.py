@@ -23,6 +23,7 @@ class Shared:
     """One dictionary: atoms (N, d) unit-norm rows, gram (N, N) their Gram matrix, both fp32."""
 
     groups = 1
+    correlation_dtype = torch.float32
 
     def __init__(self, atoms: torch.Tensor, gram: torch.Tensor):
         self.atoms, self.gram = atoms.float(), gram.float()
@@ -90,6 +91,10 @@ class Grouped:
         self._norms = None
 
     @property
+    def correlation_dtype(self) -> torch.dtype:
+        return torch.float32 if self.low is None else self.low.dtype
+
+    @property
     def table(self) -> torch.Tensor:
         if self._table is None:
             L, N, d = self.atoms.shape
@@ -115,12 +120,14 @@ class Grouped:
     def correlations(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x (G, m, d) -> (G·m, size): each group's vectors against each of its atoms; in bfloat16 where the
         Grouped has `low` atoms (they only screen pools and rank a pool's first pick: every coefficient and residual
-        is computed from the vectors in fp32)."""
+        is computed from the vectors in fp32). Written into `out` (G·m, size) when given, unless appended atoms
+        widened the dictionary past N."""
         G, m, d = x.shape
         L, N, B = self.atoms.shape[0], self.n, self.per_layer
         atoms = self.atoms if self.low is None else self.low
         x = x.to(atoms.dtype)
-        c = torch.bmm(x.reshape(L, B * m, d), atoms.transpose(1, 2)).view(G, m, N)
+        into = out.view(L, B * m, N) if out is not None and self.size == N else None  # (else a fresh tensor)
+        c = torch.bmm(x.reshape(L, B * m, d), atoms.transpose(1, 2), out=into).view(G, m, N)
         if self.size > N:  # appended atoms: zero until an overlay fills them
             c = torch.cat([c, c.new_zeros(G, m, self.size - N)], 2)
         if self.ids.shape[1]:

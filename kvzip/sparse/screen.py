@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kvzip.sparse.omp import as_dictionary, chunks, default_chunk, omp_from_correlations, pack_abs
+from kvzip.sparse.omp import as_dictionary, chunks, default_chunk, omp_from_correlations, pack_abs, scratch
 
 SHOTS = (1, 2)
 PICKS = ("champions", "top")
@@ -149,28 +149,26 @@ def screen(x: torch.Tensor, D, s: int, n: int = POOL, gram: torch.Tensor | None 
     n2 = min(max(2 * n if n2 is None else n2, 1), N - s // 2)
     chunk = chunk or default_chunk(x.device, N)  # 2048 vectors on CPU: measured ~10% faster than 512
     parts, rows = chunks(xg, chunk)
-    # a (rows, N) correlation buffer (one shared dictionary) and a packed-int buffer reused by every chunk and both
-    # shots: fresh 8 MB tensors per chunk cost ~20% of the coding time on CPU (page faults)
-    corr = torch.empty(rows, N, device=x.device) if dic.groups == 1 else None
+    # a (rows, N) correlation buffer and a packed-int buffer reused by every chunk and both shots: fresh 8 MB
+    # tensors per chunk cost ~20% of the coding time on CPU (page faults)
+    corr = scratch(rows, N, dic.correlation_dtype, x.device)
     packed = torch.empty(rows, N, dtype=torch.int32, device=x.device)
     idx_out, coef_out, res_out = [], [], []
     for part in parts:
         xc = xg[:, part].float()                              # (G, m, d)
         m = xc.shape[0] * xc.shape[1]
         if fused:
-            i, a, r = _fused_chunk(xc, dic, s, n, n2, shots == 2 and s >= 2 and n < N, pick,
-                                   None if corr is None else corr[:m])
+            i, a, r = _fused_chunk(xc, dic, s, n, n2, shots == 2 and s >= 2 and n < N, pick, corr[:m])
             idx_out.append(i.view(*xc.shape[:2], s))
             coef_out.append(a.view(*xc.shape[:2], s))
             res_out.append(r.view(xc.shape))
             continue
-        c0 = dic.correlations(xc, out=None if corr is None else corr[:m])  # (m, N) correlations with every atom
+        c0 = dic.correlations(xc, out=corr[:m])  # (m, N) correlations with every atom
         pool = pick_pool(c0, n, pick, packed[:m])             # (m, n) first candidate pool
         if shots == 2 and s >= 2 and n < N:
             first, a, state = _pool_omp(c0, dic.pool(pool, m), pool, s // 2, dic, xc.reshape(m, -1),
                                         return_state=True)  # (m, s//2)
-            pool, gram2, alpha, start = _second_shot(xc, dic, first, a, state, n2, pick, packed[:m],
-                                                      None if corr is None else corr[:m])
+            pool, gram2, alpha, start = _second_shot(xc, dic, first, a, state, n2, pick, packed[:m], corr[:m])
             pos, a = omp_from_correlations(alpha, gram2, s, start=start)  # steps s//2 .. s-1 on the fresh pool
             i = torch.cat([first, pool.gather(1, pos[:, s // 2:])], 1)   # (m, s)
         else:

@@ -169,10 +169,10 @@ def _pad(table: torch.Tensor, width: int, fill) -> torch.Tensor:
     return torch.cat([table, table.new_full((table.shape[0], width - table.shape[1], *table.shape[2:]), fill)], 1)
 
 
-def left_holed(cols: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def left_holed(cols: list[torch.Tensor], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row column lists -> (index (B, width), valid (B, width)): each row's columns right-aligned, holes in front
-    (index 0, not valid), width the longest row's."""
-    width = max(len(c) for c in cols)
+    (index 0, not valid), width the longest row's unless given."""
+    width = max(len(c) for c in cols) if width is None else width
     device = cols[0].device
     index = torch.zeros(len(cols), width, dtype=torch.long, device=device)
     valid = torch.zeros(len(cols), width, dtype=torch.bool, device=device)

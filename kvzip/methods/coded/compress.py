@@ -53,52 +53,46 @@ def due_columns(layer: "FadkvLayer", prefill: bool,
     return columns
 
 
-def coding_vectors(layer: "FadkvLayer", plan, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def coding_vectors(layer: "FadkvLayer", plan, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The keys and values the plan codes, as the dictionaries hold them: (B', H, width, d) fp32 each for rows
     (B',), each row's right-aligned after zero filler, and which entries are real (B', width). Keys are centred
-    (key mean removed) and, for pre-RoPE dictionaries, turned back to how k_proj wrote them, in pair order."""
-    h, d = layer.kv_heads, layer.keys.shape[-1]
-    keys = torch.zeros(len(rows), h, width, d, device=layer.keys.device)
-    values, real = torch.zeros_like(keys), torch.zeros(len(rows), width, dtype=torch.bool, device=keys.device)
-    for i, b in enumerate(rows):
-        cols = plan[b][0]
-        if not len(cols):
-            continue
-        k = layer.keys[b][:, cols].float()  # (H, c_b, d)
-        if layer.rope is not None:
-            k = turn_pairs(to_pairs(k, layer.rope.dim), phasors(layer.positions[b, cols], layer.rope, inverse=True))
-        if layer.key_mean is not None:
-            k = k - layer.key_mean[:, None, :]
-        keys[i, :, width - len(cols) :] = k
-        values[i, :, width - len(cols) :] = layer.values[b][:, cols].float()
-        real[i, width - len(cols) :] = True
-    return keys, values, real
+    (key mean removed) and, for pre-RoPE dictionaries, turned back to how k_proj wrote them, in pair order. All rows
+    in one gather."""
+    index, real = left_holed([plan[b][0] for b in rows.tolist()], width)  # (B', width)
+    every = len(rows) == layer.batch
+    keys, values, positions = ((t if every else t.index_select(0, rows)) for t in (layer.keys, layer.values,
+                                                                                    layer.positions))
+    keys = gather_tokens(keys, index).float()
+    if layer.rope is not None:
+        turns = phasors(positions.gather(1, index), layer.rope, inverse=True)
+        keys = turn_pairs(to_pairs(keys, layer.rope.dim), turns[:, None])
+    if layer.key_mean is not None:
+        keys -= layer.key_mean[:, None, :]
+    values = gather_tokens(values, index).float()
+    filler = ~real[:, None, :, None]
+    return keys.masked_fill_(filler, 0.0), values.masked_fill_(filler, 0.0), real
 
 
 def store_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Keep the codes (idx, coef (B, H, width, s) for keys, then values) of the plan's tokens and drop those
     tokens from the dense tier. Rows stay rectangular by holes (position -1, masked) at the front of each tier."""
     push_codes(layer, plan, codes)
-    keeps = [keep for _, keep in plan]
-    index, valid = left_holed(keeps)  # (B, S') gather index and which entries are real
+    index, valid = left_holed([keep for _, keep in plan])  # (B, S') each row's kept columns, right-aligned
     width, new_width = layer.positions.shape[1], index.shape[1]
-    # A row whose kept columns are already its last ones (every row that coded nothing, the common case when rows
-    # code on their own schedules) stays where it is: the tier loses its first columns as a view, and only the other
-    # rows are gathered and written into it.
-    moved = [b for b, keep in enumerate(keeps) if not (len(keep) and int(keep[0]) == width - len(keep)
-                                                       and int(keep[-1]) == width - 1)]
-    if len(moved) * 2 > len(keeps):
-        layer.keys, layer.values = gather_tokens(layer.keys, index), gather_tokens(layer.values, index)
-        layer.positions = layer.positions.gather(1, index).masked_fill(~valid, -1)
-        return
-    rows = torch.tensor(moved, dtype=torch.long, device=index.device)
-    gathered = [gather_tokens(t.index_select(0, rows), index.index_select(0, rows)) for t in (layer.keys, layer.values)]
-    positions = layer.positions.gather(1, index).masked_fill(~valid, -1)
     drop = width - new_width
+    layer.positions = layer.positions.gather(1, index).masked_fill(~valid, -1)
+    # The tier loses its first `drop` columns as a view. A kept column already where it ends up (a row's recent
+    # tokens; every column of a row that coded nothing) is not touched: only the others (a row's sinks, which move
+    # up to its buffer) are gathered, over the span of new columns that holds them, all rows at once.
+    stray = valid & (index != torch.arange(drop, width, device=index.device))
+    cols = stray.any(0).nonzero().squeeze(-1)
+    if len(cols):
+        lo, hi = int(cols[0]), int(cols[-1]) + 1
+        move = stray[:, None, lo:hi, None]
+        for old in (layer.keys, layer.values):
+            part = old[:, :, drop + lo : drop + hi]
+            part.copy_(torch.where(move, gather_tokens(old, index[:, lo:hi]), part))
     layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
-    if moved:
-        layer.keys[rows], layer.values[rows] = gathered
-    layer.positions = positions
 
 
 def push_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -106,7 +100,9 @@ def push_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch.
     front, as wide as its fullest row: a row that codes c tokens moves its own codes c columns to the left (into its
     holes) and writes the new ones at the end, so the rows that coded nothing are not touched; the tier widens (into
     spare room in front, `DenseLayer.prepend`) only when a row outgrows it. Rows that code the same count move
-    together."""
+    together. When every row codes the same count (rows in lockstep, the usual batch) the new codes are appended
+    into spare room behind the tier (`DenseLayer.extend`) and nothing moves: the event costs its new codes, not the
+    tier's length."""
     counts = [len(code) for code, _ in plan]
     real = (layer.coded_pos >= 0).sum(1).tolist()
     width = layer.coded_pos.shape[1]
@@ -114,13 +110,22 @@ def push_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch.
     names = ["coded_pos"] + [f"{kind}.codes.{part}" for kind in ("coded_keys", "coded_values")
                              for part in ("idx", "stored", "scale")]
     stored = [quantize(coef, layer.cfg.coef_format) for _, coef in codes]  # (stored, scale) per kind
+    new_pos = holed(layer.positions, [code for code, _ in plan])  # (B, c_max)
+    fresh = [new_pos] + [x for (idx, _), (st, sc) in zip(codes, stored) for x in (idx, st, sc)]
+    if len(set(counts)) == 1:  # every row codes c (rows in lockstep): the new codes are appended, nothing moves
+        c = counts[0]
+        for name, new in zip(names, fresh):
+            x = layer._get(name)
+            if x is not None:
+                dim = layer._token_axis(x)
+                x = layer.extend(name, new.narrow(dim, new.shape[dim] - c, c).to(x.dtype))
+                layer._set(name, x.narrow(dim, width + c - need, need))  # holes no row needs any more
+        return
     if need > width:
         for name in names:
             if layer._get(name) is not None:
                 layer.prepend(name, need - width, -1 if name == "coded_pos" else 0)
         width = need
-    new_pos = holed(layer.positions, [code for code, _ in plan])  # (B, c_max)
-    fresh = [new_pos] + [x for (idx, _), (st, sc) in zip(codes, stored) for x in (idx, st, sc)]
     for c in sorted(set(counts) - {0}):
         rows = torch.tensor([b for b, n in enumerate(counts) if n == c], device=new_pos.device)
         for name, new in zip(names, fresh):
@@ -143,16 +148,21 @@ def holed(pos: torch.Tensor, cols: list[torch.Tensor]) -> torch.Tensor:
 MAX_VECTORS = 1 << 16
 
 
-def compress(layers: list["FadkvLayer"], prefill: bool, stats: CodingStats) -> None:
+def compress(layers: list["FadkvLayer"], prefill: bool, stats: CodingStats) -> int:
     """Code the due tokens of all `layers` (`due_columns`) in as few coder calls as MAX_VECTORS allows: keys and
-    values of every layer and row together when their sparsity is the same. Each layer then stores its codes."""
+    values of every layer and row together when their sparsity is the same. Each layer then stores its codes.
+    Returns how many decode steps (one token a row each) must pass before any row of any layer can be due again:
+    until then the caller need not look (`quiet_steps`)."""
     if not layers:
-        return
+        return 1
     first = layers[0].keys.device  # one read back for every layer (a device map spreads them over several devices)
     counts = torch.stack([real_tokens(layer).sum(1).to(first) for layer in layers]).tolist()
     plans = [(layer, plan) for layer, n in zip(layers, counts) if (plan := due_columns(layer, prefill, n)) is not None]
+    coded = {id(layer): [len(cols) for cols, _ in plan] for layer, plan in plans}
+    quiet = quiet_steps(layers[0].cfg, [(n, c) for layer, row in zip(layers, counts)
+                                        for n, c in zip(row, coded.get(id(layer), [0] * len(row)))])
     if not plans:
-        return
+        return quiet
     t0 = time.perf_counter()
     batch = layers[0].batch
     rows = [b for b in range(batch) if any(len(plan[b][0]) for _, plan in plans)]
@@ -166,7 +176,7 @@ def compress(layers: list["FadkvLayer"], prefill: bool, stats: CodingStats) -> N
     low = layers[0].dtype == torch.bfloat16 and cfg.coder == "screen"
     for start in range(0, len(plans), step):
         part = plans[start : start + step]
-        built = [coding_vectors(layer, plan, rows, width) for layer, plan in part]  # (keys, values, real) per layer
+        built = [coding_vectors(layer, plan, row_index, width) for layer, plan in part]  # (keys, values, real) per layer
         kinds = [kind for layer, _ in part for kind in layer.kinds]  # keys, values of each layer
         x = [v for keys, values, _ in built for v in (keys, values)]  # (B', H, width, d) each
         real = [r[:, None, :].expand(-1, x[0].shape[1], -1) for _, _, r in built for _ in (0, 1)]
@@ -182,6 +192,15 @@ def compress(layers: list["FadkvLayer"], prefill: bool, stats: CodingStats) -> N
         for n, (layer, plan) in enumerate(part):
             store_codes(layer, plan, codes[2 * n : 2 * n + 2])
     stats.seconds += time.perf_counter() - t0
+    return quiet
+
+
+def quiet_steps(cfg, rows: list[tuple[int, int]]) -> int:
+    """Decode steps before a chunk can gather anywhere, from each layer's rows' (real dense tokens, tokens coded
+    now): a row codes once `code_chunk` tokens lie beyond its sinks and buffer, and gains one token a step (a
+    sliding-window layer may lose some, which only delays it)."""
+    most = max(n - min(cfg.sinks, n) - cfg.buffer - c for n, c in rows)
+    return max(1, cfg.code_chunk - most)
 
 
 def _full_rows(codes: torch.Tensor, rows: torch.Tensor, batch: int, width: int) -> torch.Tensor:
