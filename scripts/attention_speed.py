@@ -75,7 +75,7 @@ def main() -> None:
             layer = FadkvLayer(method, prepare_layers(dictionaries, "cpu", paired=paired)[args.layer],
                                rope=inv_freq if paired else None)
             layer.update(keys, values)
-            compress([layer], True, CodingStats())
+            compress([layer], CodingStats())
             if kernel == "auto" and not layer._fused():
                 print(f"fadkv {label}: no fused kernel here ({kernels.status()})")
                 continue

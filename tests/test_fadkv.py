@@ -168,7 +168,7 @@ def test_prerope_codes_content_keys(tiny_dictionaries):
                  torch.randn(1, 2, 1, 16))
     layer.update(rotate(content, torch.tensor([1]), inv_freq).view(1, 1, 1, 16).expand(1, 2, 1, 16).clone(),
                  torch.randn(1, 2, 1, 16))
-    compress([layer], True, CodingStats())  # what the cache's after_forward runs after a prompt's forward
+    compress([layer], CodingStats())  # what the cache's after_forward runs after a prompt's forward
     idx, coef = layer.coded_keys.codes.idx, layer.coded_keys.codes.coefficients()
     assert idx.shape[2] == 2
     for t in range(2):
@@ -310,6 +310,32 @@ def test_rows_out_of_phase_keep_the_coded_tier_as_wide_as_the_fullest_row(tiny, 
         for row, n in zip(layer.coded_pos, real.tolist()):  # holes in front, then the row's tokens in order
             assert bool((row[: len(row) - n] == -1).all()) and bool((row[len(row) - n :].diff() > 0).all())
     assert events[-1].stats["kv_bytes_peak"] < events[-1].stats["kv_bytes_full"]
+
+
+def test_rows_of_any_prompt_length_code_together_every_code_chunk_steps(tiny, tokenizer, tiny_dictionaries,
+                                                                          monkeypatch):
+    """The coding schedule counts decode steps, not each row's tokens: rows whose prompts differ in length code in
+    the same events (after the prompt, then every `code_chunk`-th step), each all beyond its sinks and buffer, and
+    from its second event on every row codes `code_chunk` tokens."""
+    import kvzip.methods.coded.compress as compress_module
+
+    prompts = [tokenizer("x" * n)["input_ids"] for n in (3, 7, 12, 18)]
+    cache = get_method("fadkv", SMALL).make_cache(tiny, tiny_dictionaries)
+    events, real = [], compress_module.store_codes
+
+    def store_codes(layer, plan, codes):
+        if layer is cache.layers[0]:
+            events.append((cache.decoded, [len(cols) for cols, _ in plan]))
+        return real(layer, plan, codes)
+
+    monkeypatch.setattr(compress_module, "store_codes", store_codes)
+    list(engine.generate(tiny, tokenizer, prompts, cache, engine.Settings(max_new_tokens=40, ignore_eos=True)))
+    assert all(step % 4 == 0 for step, _ in events) and len(events) >= 9  # decode steps 4, 8, ..., 36
+    started = [False] * len(prompts)
+    for _, counts in events:
+        assert all(n == 4 for n, was in zip(counts, started) if was)
+        started = [was or n > 0 for n, was in zip(counts, started)]
+    assert all(started)
 
 
 @pytest.mark.parametrize("name, low", [("fadkv", True), ("lexico", False)])

@@ -70,7 +70,7 @@ def test_coded_decode_attention_at_the_shipped_head_size(keys, dense):
     layer = FadkvLayer(method, prepare_layers(dictionaries, "cpu", paired=inv is not None)[3], rope=inv)
     g = torch.Generator().manual_seed(1)
     layer.update(torch.randn(2, 3, 300, 64, generator=g).to(dense), torch.randn(2, 3, 300, 64, generator=g).to(dense))
-    compress([layer], True, CodingStats())
+    compress([layer], CodingStats())
     assert layer.coded_pos.shape[1] > 100
     got, want = fused_and_reference(layer, torch.randn(2, 9, 1, 64, generator=g))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

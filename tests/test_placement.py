@@ -83,9 +83,9 @@ def test_fadkv_split_over_two_devices_codes_per_device_and_equals_one(tiny, toke
     two = method.make_cache(tiny, tiny_dictionaries)
     coded, real = [], kvzip.methods.fadkv.compress
 
-    def compress(layers, prefill, stats):
+    def compress(layers, stats):
         coded.append(([next(i for i, y in enumerate(two.layers) if y is x) for x in layers], stats))
-        return real(layers, prefill, stats)
+        return real(layers, stats)
 
     monkeypatch.setattr(kvzip.methods.fadkv, "compress", compress)
     assert tokens(two) == expected

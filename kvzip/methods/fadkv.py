@@ -2,7 +2,8 @@
 
 FAD-KV (Zhu et al., 2026) and its predecessor Lexico (Kim et al., ICML 2025; arXiv:2412.08890). Per layer and KV head:
 - the first `sinks` tokens and the most recent `buffer` tokens stay dense (sinks draw outsized attention, so a
-  coding error there costs the most; the buffer absorbs tokens until `code_chunk` of them can be coded at once);
+  coding error there costs the most; the buffer absorbs tokens between coding events, one after a prompt and one
+  every `code_chunk` decode steps, where every row codes all beyond its sinks and buffer);
 - older tokens are coded as `sparsity` atom indices (int16) and coefficients (fp16, or 8 bits with a scale:
   `coef_format`) over the layer's key or value dictionary. The per-head key mean (stored in the dictionary file) is
   removed before coding. Keys are coded as the dictionary was trained: before RoPE (the default file; RoPE undone at
@@ -119,28 +120,27 @@ class FadkvLayer(CodedAttention, DenseLayer):
 
 
 class FadkvCache(KVCache):
-    """The layers of one cache are coded together: after every forward, every layer's due tokens are coded in one
-    pass (kvzip/methods/coded/compress.py), then sliding-window layers drop what their next query cannot see."""
+    """The layers of one cache are coded together: after a prompt and after every `code_chunk`-th decode step, every
+    layer's due tokens are coded in one pass (kvzip/methods/coded/compress.py); after every forward, sliding-window
+    layers drop what their next query cannot see."""
 
     def __init__(self, layers: list[FadkvLayer], method: "Fadkv", shared_bytes: int, devices: list | None = None):
         super().__init__(layers, method)
         self.shared_bytes = shared_bytes  # the shared dictionary: reported apart, not counted as cache, like weights
-        self.coding, self.prefill, self.devices = CodingStats(), False, devices or [None] * len(layers)
-        self.quiet = 0  # decode steps left before any row can have a chunk to code (compress says after each look)
+        self.coding, self.devices = CodingStats(), devices or [None] * len(layers)
+        self.decoded = 0  # decode steps since the last prompt
 
     def reset(self) -> None:
         super().reset()
-        self.coding, self.quiet = CodingStats(), 0
+        self.coding, self.decoded = CodingStats(), 0
 
     def before_forward(self, attention_mask: torch.Tensor, new_tokens: int) -> None:
-        self.prefill = new_tokens > 1  # a prompt codes all beyond sinks and buffer, a decode step whole chunks
-        self.quiet = 0 if self.prefill else self.quiet - 1
+        self.decoded = 0 if new_tokens > 1 else self.decoded + 1
 
     def after_forward(self) -> None:
-        if self.quiet <= 0:  # else no row of any layer has a chunk yet: not even the counts are read
-            self.quiet = min(compress([x for x, d in zip(self.layers, self.devices) if d == device], self.prefill,
-                                      self.coding)
-                             for device in dict.fromkeys(self.devices))  # a model over devices: each one's layers
+        if self.decoded % self.method.code_chunk == 0:  # after a prompt, and every code_chunk-th decode step
+            for device in dict.fromkeys(self.devices):  # a model over devices: each one's layers (and atoms) apart
+                compress([x for x, d in zip(self.layers, self.devices) if d == device], self.coding)
         for layer in self.layers:
             if layer.sliding is not None:
                 layer._slide()

@@ -3,8 +3,11 @@ dictionaries hold them, one coder pass for every layer, kind and row, and the co
 
 The cache runs `compress` after every forward (`FadkvCache.after_forward`), once every layer has attended: a layer's
 coding only changes what its next forward reads, so coding all layers together at the end of a forward is exact, and
-no layer does cache-wide work inside the model's forward. Rows of a batch code on their own schedules (as if each ran
-alone): a row's dense tier gathers `code_chunk` tokens beyond its sinks and buffer before they are coded.
+no layer does cache-wide work inside the model's forward. The cache codes after a prompt and after every
+`code_chunk`-th decode step since it; each time every row codes all its tokens beyond its sinks and buffer. The
+schedule counts decode steps, which a row has the same of alone and in a batch, so a row codes as if it ran alone,
+and the rows of a batch code together whatever their prompts' lengths (one coder pass per event, and from a row's
+second event on the same `code_chunk` tokens per row: `push_codes`' lockstep case).
 """
 
 from __future__ import annotations
@@ -29,21 +32,14 @@ def real_tokens(layer: "FadkvLayer") -> torch.Tensor:
     return layer.positions >= pad[:, None]
 
 
-def due_columns(layer: "FadkvLayer", prefill: bool,
-                counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Which dense columns each row codes now and which it keeps, on the row's own schedule (as if it ran alone):
-    a prefill codes all beyond the sinks and buffer, a decode step a whole number of chunks once a chunk has
-    gathered. counts: each row's real dense tokens (`real_tokens`, read for every layer at once). Left padding is
-    neither coded nor kept. None when no row codes."""
+def due_columns(layer: "FadkvLayer", counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Which dense columns each row codes now and which it keeps: all beyond the row's sinks and buffer. counts:
+    each row's real dense tokens (`real_tokens`, read for every layer at once). Left padding is neither coded nor
+    kept. None when no row codes."""
     due = []
     for n in counts:
         sinks = min(layer.cfg.sinks, n)
-        codeable = n - sinks - layer.cfg.buffer
-        if codeable <= 0 or (not prefill and codeable < layer.cfg.code_chunk):
-            codeable = 0
-        elif not prefill:
-            codeable -= codeable % layer.cfg.code_chunk
-        due.append((sinks, codeable))
+        due.append((sinks, max(n - sinks - layer.cfg.buffer, 0)))
     if not any(codeable for _, codeable in due):
         return None
     columns, real = [], real_tokens(layer)
@@ -148,21 +144,16 @@ def holed(pos: torch.Tensor, cols: list[torch.Tensor]) -> torch.Tensor:
 MAX_VECTORS = 1 << 16
 
 
-def compress(layers: list["FadkvLayer"], prefill: bool, stats: CodingStats) -> int:
+def compress(layers: list["FadkvLayer"], stats: CodingStats) -> None:
     """Code the due tokens of all `layers` (`due_columns`) in as few coder calls as MAX_VECTORS allows: keys and
-    values of every layer and row together when their sparsity is the same. Each layer then stores its codes.
-    Returns how many decode steps (one token a row each) must pass before any row of any layer can be due again:
-    until then the caller need not look (`quiet_steps`)."""
+    values of every layer and row together when their sparsity is the same. Each layer then stores its codes."""
     if not layers:
-        return 1
+        return
     first = layers[0].keys.device  # one read back for every layer (a device map spreads them over several devices)
     counts = torch.stack([real_tokens(layer).sum(1).to(first) for layer in layers]).tolist()
-    plans = [(layer, plan) for layer, n in zip(layers, counts) if (plan := due_columns(layer, prefill, n)) is not None]
-    coded = {id(layer): [len(cols) for cols, _ in plan] for layer, plan in plans}
-    quiet = quiet_steps(layers[0].cfg, [(n, c) for layer, row in zip(layers, counts)
-                                        for n, c in zip(row, coded.get(id(layer), [0] * len(row)))])
+    plans = [(layer, plan) for layer, n in zip(layers, counts) if (plan := due_columns(layer, n)) is not None]
     if not plans:
-        return quiet
+        return
     t0 = time.perf_counter()
     batch = layers[0].batch
     rows = [b for b in range(batch) if any(len(plan[b][0]) for _, plan in plans)]
@@ -192,15 +183,6 @@ def compress(layers: list["FadkvLayer"], prefill: bool, stats: CodingStats) -> i
         for n, (layer, plan) in enumerate(part):
             store_codes(layer, plan, codes[2 * n : 2 * n + 2])
     stats.seconds += time.perf_counter() - t0
-    return quiet
-
-
-def quiet_steps(cfg, rows: list[tuple[int, int]]) -> int:
-    """Decode steps before a chunk can gather anywhere, from each layer's rows' (real dense tokens, tokens coded
-    now): a row codes once `code_chunk` tokens lie beyond its sinks and buffer, and gains one token a step (a
-    sliding-window layer may lose some, which only delays it)."""
-    most = max(n - min(cfg.sinks, n) - cfg.buffer - c for n, c in rows)
-    return max(1, cfg.code_chunk - most)
 
 
 def _full_rows(codes: torch.Tensor, rows: torch.Tensor, batch: int, width: int) -> torch.Tensor:
