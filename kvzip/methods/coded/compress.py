@@ -1,10 +1,10 @@
 """Coding a fadkv or lexico cache's due tokens: which dense tokens each row codes now, the vectors as the
 dictionaries hold them, one coder pass for every layer, kind and row, and the codes stored in each layer.
 
-The cache runs `compress` after every forward (`FadkvCache.after_forward`), once every layer has attended: a layer's
-coding only changes what its next forward reads, so coding all layers together at the end of a forward is exact, and
-no layer does cache-wide work inside the model's forward. The cache codes after a prompt and after every
-`code_chunk`-th decode step since it; each time every row codes all its tokens beyond its sinks and buffer. The
+The cache runs `compress` after a prompt's forward and after every `code_chunk`-th decode step since it
+(`FadkvCache.after_forward`), once every layer has attended: a layer's coding only changes what its next forward
+reads, so coding all layers together at the end of a forward is exact, and no layer does cache-wide work inside the
+model's forward. Each time every row codes all its tokens beyond its sinks and buffer. The
 schedule counts decode steps, which a row has the same of alone and in a batch, so a row codes as if it ran alone,
 and the rows of a batch code together whatever their prompts' lengths (one coder pass per event, and from a row's
 second event on the same `code_chunk` tokens per row: `push_codes`' lockstep case).
