@@ -59,10 +59,12 @@ def test_coded_decode_attention_equals_the_reference(tiny_dictionaries, keys, ad
 
 
 @pytest.mark.parametrize("keys", ["pre-rope", "post-rope"])
-@pytest.mark.parametrize("dense", [torch.float32, torch.bfloat16])
-def test_coded_decode_attention_at_the_shipped_head_size(keys, dense):
-    """The shipped SmolLM2 dictionaries (d = 64, the head size the kernel compiles in, 3 query heads per KV head as
-    the default model): the kernel equals the reference on random keys and values coded with the default options."""
+@pytest.mark.parametrize("dense, group", [(torch.float32, 3), (torch.bfloat16, 3), (torch.float32, 1),
+                                          (torch.float32, 5), (torch.float32, 7)])
+def test_coded_decode_attention_at_the_shipped_head_size(keys, dense, group):
+    """The shipped SmolLM2 dictionaries (d = 64, the head size the kernel compiles in; 3 query heads per KV head as
+    the default model, and the groups of other families, which the kernel sums in blocks of up to three): the kernel
+    equals the reference on random keys and values coded with the default options."""
     stem = "smollm2-135m-prerope" if keys == "pre-rope" else "smollm2-135m"
     dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
     inv = 1.0 / (100000.0 ** (torch.arange(0, 64, 2).float() / 64)) if keys == "pre-rope" else None
@@ -72,7 +74,30 @@ def test_coded_decode_attention_at_the_shipped_head_size(keys, dense):
     layer.update(torch.randn(2, 3, 300, 64, generator=g).to(dense), torch.randn(2, 3, 300, 64, generator=g).to(dense))
     compress([layer], CodingStats())
     assert layer.coded_pos.shape[1] > 100
-    got, want = fused_and_reference(layer, torch.randn(2, 9, 1, 64, generator=g))
+    got, want = fused_and_reference(layer, torch.randn(2, 3 * group, 1, 64, generator=g))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("keys", ["pre-rope", "post-rope"])
+def test_one_long_row_split_into_chunks_equals_the_reference(keys):
+    """One row of 1,100 tokens: the kernel splits its coded tokens into chunks (fewer rows than twice the threads) and
+    merges them; the same output as the reference, also when left padding hides the whole first chunk."""
+    stem = "smollm2-135m-prerope" if keys == "pre-rope" else "smollm2-135m"
+    dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
+    inv = 1.0 / (100000.0 ** (torch.arange(0, 64, 2).float() / 64)) if keys == "pre-rope" else None
+    layer = FadkvLayer(get_method("fadkv", {"keys": keys}), prepare_layers(dictionaries, "cpu", paired=inv is not None)[3],
+                       rope=inv)
+    g = torch.Generator().manual_seed(4)
+    layer.update(torch.randn(1, 3, 1100, 64, generator=g), torch.randn(1, 3, 1100, 64, generator=g))
+    compress([layer], CodingStats())
+    assert layer.coded_pos.shape[1] >= 512  # at least two chunks of 256
+    query = torch.randn(1, 9, 1, 64, generator=g) * 4  # sharp weights: a chunk's own largest score matters
+    got, want = fused_and_reference(layer, query)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    mask = torch.ones(1, 1, 1, layer.seen + 1, dtype=torch.bool)
+    mask[..., :700] = False
+    assert layer._first_visible(mask, 1).tolist() == [700]
+    got, want = fused_and_reference(layer, query, mask)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 

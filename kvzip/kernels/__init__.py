@@ -2,10 +2,11 @@
 
 The coded paths of fadkv and lexico spend their time in many small PyTorch ops per layer and step (rebuilding coded
 keys chunk by chunk, scattering weights onto atoms, the coder's pursuit over tiny pools). The kernels here do each of
-those in one pass per (row, KV head) or per vector, registered as `torch.ops.kvzip.*`:
+those in one pass per row (or chunk of a row) or per vector, registered as `torch.ops.kvzip.*`:
 
 - `coded_decode_attention` (coded_attention.cpp): one new token's attention over coded keys and values plus the
-  dense tier, pre-RoPE keys rebuilt and turned in registers, values in atom space.
+  dense tier, pre-RoPE keys rebuilt and turned a tile at a time, values in atom space; a row's coded tokens split
+  into chunks, merged by their largest scores, when there are fewer rows than twice the threads.
 - `screen_pursue` (screen_coder.cpp): the screening coder's pursuit on each vector's candidate pool, with an explicit
   residual, one vector per pass (the correlations with every atom stay one batched product in PyTorch).
 - `pooled_decode_attention` (pooled_attention.cpp): one new token's attention over a thought cache's rows, each a list

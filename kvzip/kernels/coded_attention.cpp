@@ -1,18 +1,21 @@
-// Decode attention on dictionary-coded keys and values (fadkv, lexico), fused: one pass per (row, KV head).
+// Decode attention on dictionary-coded keys and values (fadkv, lexico), fused: no (B, H, T, d) tensor is written.
 //
 // A coded token t of one KV head is s atom numbers idx[t, j] and s coefficients c[t, j] (int8 with one fp16 scale
-// per vector, or fp16): k_t = sum_j c[t, j] D[idx[t, j]]. For each (row b, KV head h) this computes the attention
-// of its G query rows (the query heads of the KV head, one new token) over the coded tokens and the dense tier
-// (sinks and the recent buffer) without ever writing a (B, H, T, d) tensor:
-// - pre-RoPE keys (`rope_cs` given): each coded key is rebuilt in registers from its s atoms, the key mean added, and
-//   turned by RoPE at its position (atoms, mean and query in the model's channel order, so a turn is two vector
-//   halves times cos and sin), then dotted with the G queries: T (s d + 2 d + G d) multiply-adds;
+// per vector, or fp16): k_t = sum_j c[t, j] D[idx[t, j]]. For each row b this computes the attention of the G query
+// rows of each KV head (one new token) over the coded tokens and the dense tier (sinks and the recent buffer):
+// - pre-RoPE keys (`rope_cs` given): kLanes coded keys at a time are rebuilt from their s atoms into a tile in L1, the
+//   key mean added, turned by RoPE at their positions (atoms, mean and query in the model's channel order, so a turn
+//   is two vector halves times cos and sin), and scored against each query row at once: T (s d + 2 d + G d)
+//   multiply-adds;
 // - post-RoPE keys: q.D is computed once per query row over the row's atoms, then gathered by code: G N d + T G s;
 // - values stay in atom space: each coded token's weight times its coefficients is added to the weight its atoms
 //   received, and one product with the value atoms closes it: T G s + G N d.
-// Each (row, KV head) is one task of at::parallel_for. Atom a of row b is found by offsets[b, a]: an element offset
-// into the shared dictionary when >= 0, else row -1 - offsets[b, a] of `extra` (the row's own replaced atoms, fixed-size
-// adaptation), as kvzip.sparse.atoms.atom_offsets lays them out.
+// Work is split as flash-decoding splits it: a task is one row's chunk of coded tokens for all KV heads (a row is
+// one chunk unless there are fewer rows than twice the threads), leaving per query row its largest score, its sum of
+// weights, its weighted dense values and its atom weights; a second pass per (row, KV head) brings the chunks to
+// one largest score, multiplies the atom weights out and divides by the total. Atom a of row b is found by
+// offsets[b, a]: an element offset into the shared dictionary when >= 0, else row -1 - offsets[b, a] of `extra` (the
+// row's own replaced atoms, fixed-size adaptation), as kvzip.sparse.atoms.atom_offsets lays them out.
 //
 // Registered as torch.ops.kvzip.coded_decode_attention; kvzip/kernels/__init__.py builds and loads it, and
 // tests/test_kernels.py holds it to the PyTorch reference path of kvzip/methods/fadkv.py.
@@ -21,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -54,202 +58,348 @@ struct Args {
   float* out;                                  // (B, H, G, d)
 };
 
+using kvzip_vec::dot_rows;
 using kvzip_vec::exp_nonpositive;
 using kvzip_vec::hsum;
 using kvzip_vec::kLanes;
 using kvzip_vec::load;
 using kvzip_vec::load_as_float;
 using kvzip_vec::store;
+using kvzip_vec::transpose_sum;
 using kvzip_vec::vf;
 constexpr int64_t kMaxHead = 256;  // head sizes up to this, multiples of kLanes
 constexpr int64_t kMaxGroup = 32;  // query heads per KV head
+constexpr int64_t kMaxSparsity = 64;  // atoms per coded vector
+constexpr int64_t kMaxChunks = 8;     // chunks a row's coded tokens are split into
+constexpr int64_t kMinChunk = 256;    // coded tokens per chunk, at least
+
+// One task's scratch, reused over the tasks of a thread.
+struct Work {
+  std::vector<float> scores;        // (H, G, L + S): a chunk's scores, then its weights
+  std::vector<float> qd;            // (G, k_ntot) q.D per atom (post-RoPE keys)
+  std::vector<float> tile;          // (kLanes, d) rebuilt keys (pre-RoPE keys)
+  std::vector<const float*> atoms;  // (k_ntot) where each key atom's row is (pre-RoPE keys)
+  std::vector<char> seen;           // (L + S) which tokens the query sees
+};
+
+// What a chunk of a row's tokens leaves for the merge (flash-decoding): per KV head and query row the largest score
+// and the sum of its weights, the dense tier's weighted values, and the weight each value atom received, all
+// relative to that chunk's own largest score.
+struct Partials {
+  int64_t C, Gp;  // chunks per row; query rows rounded up to four (the atom weights' inner size)
+  float *top, *total, *out, *acc;  // (B, C, H, G), (B, C, H, G), (B, C, H, G, d), (B, C, H, v_ntot, Gp)
+};
+
+template <typename T>
+inline const T* typed(const void* base, int64_t offset) { return static_cast<const T*>(base) + offset; }
 
 inline const float* atom_at(const float* shared, const float* extra, int64_t offset, int64_t d) {
   return offset >= 0 ? shared + offset : extra + (-1 - offset) * d;
 }
 
-// One (row, KV head). NV: vectors per head (d / kLanes) when known at compile time, else 0 (then a.d / kLanes).
-template <typename idx_t, typename coef_t, typename dense_t, int64_t NV>
-void attend_one(const Args& a, int64_t bh, std::vector<float>& scores, std::vector<float>& acc,
-                std::vector<float>& qd, std::vector<char>& seen) {
-  const int64_t nv = NV ? NV : a.d / kLanes, d = nv * kLanes, W = a.T + a.S, G = a.G;
-  const int64_t b = bh / a.H, h = bh % a.H;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  vf q[kMaxGroup][NV ? NV : kMaxHead / kLanes];  // the G query rows, in the model's channel order like every key
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t v = 0; v < nv; ++v) q[g][v] = load(a.q + (bh * G + g) * d + v * kLanes);
-  const char* ok;  // which of the row's T + S tokens the query sees
-  if (a.allowed) {
-    ok = reinterpret_cast<const char*>(a.allowed + b * W);
-  } else {  // every real token of the row: positions from its first real one on (holes are -1)
-    const int64_t lo = a.first[b];
-    for (int64_t t = 0; t < a.T; ++t) seen[t] = a.coded_pos[b * a.cp_b + t] >= lo;
-    for (int64_t t = 0; t < a.S; ++t) seen[a.T + t] = a.dense_pos[b * a.dp_b + t] >= lo;
-    ok = seen.data();
+// out[g][v] += sum over r < rows of w[r * wr + g * wg] * row(r)[v], for the GB query rows from g0 and the VB vectors
+// from v0: the GB x VB sums stay in registers over all rows (GB * VB <= 12 of AVX2's sixteen), each row's vectors
+// are read once per block. With the G x nv sums in one loop they spilled to the stack, a load and a store per
+// multiply-add. A row given as null is skipped.
+template <int64_t GB, int64_t VB, typename RowFn>
+inline void accumulate_block(float* out, int64_t d, int64_t g0, int64_t v0, int64_t rows, const float* w,
+                             int64_t wr, int64_t wg, RowFn row) {
+  vf acc[GB][VB];
+  for (int64_t g = 0; g < GB; ++g)
+    for (int64_t v = 0; v < VB; ++v) acc[g][v] = load(out + (g0 + g) * d + (v0 + v) * kLanes);
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto* x = row(r);
+    if (!x) continue;
+    float wt[GB];
+    for (int64_t g = 0; g < GB; ++g) wt[g] = w[r * wr + (g0 + g) * wg];
+    for (int64_t v = 0; v < VB; ++v) {
+      const vf xv = load_as_float(x + (v0 + v) * kLanes);
+      for (int64_t g = 0; g < GB; ++g) acc[g][v] += wt[g] * xv;
+    }
   }
-  const idx_t* k_idx = static_cast<const idx_t*>(a.k_idx) + b * a.kc_b + h * a.kc_h;
-  const coef_t* k_coef = static_cast<const coef_t*>(a.k_coef) + b * a.kc_b + h * a.kc_h;
-  const at::Half* k_scale = a.k_scale ? a.k_scale + b * a.ks_b + h * a.ks_h : nullptr;
+  for (int64_t g = 0; g < GB; ++g)
+    for (int64_t v = 0; v < VB; ++v) store(out + (g0 + g) * d + (v0 + v) * kLanes, acc[g][v]);
+}
+
+// accumulate_block over all G query rows of out (G, d) and its nv vectors, in blocks of up to three query rows and
+// four vectors
+template <typename RowFn>
+inline void accumulate(float* out, int64_t G, int64_t nv, int64_t rows, const float* w, int64_t wr, int64_t wg,
+                       RowFn row) {
+  const int64_t d = nv * kLanes;
+  for (int64_t v0 = 0; v0 < nv; v0 += 4) {
+    if (nv - v0 < 4) {  // the last vectors of a head that is not a multiple of four: one at a time
+      for (int64_t v = v0; v < nv; ++v)
+        for (int64_t g = 0; g < G; ++g) accumulate_block<1, 1>(out, d, g, v, rows, w, wr, wg, row);
+      break;
+    }
+    int64_t g0 = 0;
+    for (; g0 + 3 <= G; g0 += 3) accumulate_block<3, 4>(out, d, g0, v0, rows, w, wr, wg, row);
+    if (G - g0 == 2) accumulate_block<2, 4>(out, d, g0, v0, rows, w, wr, wg, row);
+    if (G - g0 == 1) accumulate_block<1, 4>(out, d, g0, v0, rows, w, wr, wg, row);
+  }
+}
+
+inline float dot_vf(const float* q, const vf* k, int64_t nv) {
+  vf acc = load(q) * k[0];
+  for (int64_t v = 1; v < nv; ++v) acc += load(q + v * kLanes) * k[v];
+  return hsum(acc);
+}
+
+// Chunk c of row b: the coded tokens [lo, hi) (and the dense tier when `dense`) of every KV head, scored, turned into
+// weights relative to the chunk's largest score, and summed into its partials. All heads in one task: a pre-RoPE
+// token's cos and sin rows are read from memory once for all of them.
+template <typename idx_t, typename coef_t, typename dense_t, int64_t NV>
+void attend_chunk(const Args& a, const Partials& p, int64_t b, int64_t c, int64_t lo, int64_t hi, bool dense,
+                  Work& work) {
+  const int64_t nv = NV ? NV : a.d / kLanes, d = nv * kLanes, G = a.G, H = a.H;
+  const int64_t L = hi - lo, S = dense ? a.S : 0, WL = L + S;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float* scores = work.scores.data();
+  char* ok = work.seen.data();  // which of the chunk's L + S tokens the query sees
+  if (a.allowed) {
+    const bool* row = a.allowed + b * (a.T + a.S);
+    for (int64_t t = 0; t < L; ++t) ok[t] = row[lo + t];
+    for (int64_t t = 0; t < S; ++t) ok[L + t] = row[a.T + t];
+  } else {  // every real token of the row: positions from its first real one on (holes are -1)
+    const int64_t first = a.first[b];
+    for (int64_t t = 0; t < L; ++t) ok[t] = a.coded_pos[b * a.cp_b + lo + t] >= first;
+    for (int64_t t = 0; t < S; ++t) ok[L + t] = a.dense_pos[b * a.dp_b + t] >= first;
+  }
   const int64_t* k_offsets = a.k_offsets + b * a.k_ntot;
-  const float* mean = a.key_mean ? a.key_mean + h * d : nullptr;
+  auto key_scale = [&](int64_t h) { return a.k_scale ? a.k_scale + b * a.ks_b + h * a.ks_h : nullptr; };
 
   // 1. Scores over the coded keys.
-  if (a.rope_cs) {
+  if (a.rope_cs) {  // kLanes keys at a time rebuilt into a tile in L1, then scored against each query row at once
     const int64_t half = a.rope_dim / 2;
     const bool whole = half % kLanes == 0;  // the turned halves are whole vectors (else turned channel by channel)
-    for (int64_t t = 0; t < a.T; ++t) {
-      if (!ok[t]) {
-        for (int64_t g = 0; g < G; ++g) scores[g * W + t] = neg_inf;
-        continue;
-      }
-      vf k[NV ? NV : kMaxHead / kLanes];
-      for (int64_t v = 0; v < nv; ++v) k[v] = mean ? load(mean + v * kLanes) : vf{};
-      const float unit = k_scale ? static_cast<float>(k_scale[t]) : 1.f;
-      for (int64_t j = 0; j < a.s_k; ++j) {
-        const float c = static_cast<float>(k_coef[t * a.s_k + j]) * unit;
-        const float* atom = atom_at(a.k_shared, a.k_extra, k_offsets[k_idx[t * a.s_k + j]], d);
-        for (int64_t v = 0; v < nv; ++v) k[v] += c * load(atom + v * kLanes);
-      }
-      const float* cos = a.rope_cs + a.coded_pos[b * a.cp_b + t] * 2 * half;  // RoPE at the token's position:
-      const float* sin = cos + half;                                          // channel i turns with i + half
-      if (whole) {
-        for (int64_t v = 0; v < half / kLanes; ++v) {
-          const vf x1 = k[v], x2 = k[v + half / kLanes], c = load(cos + v * kLanes), sn = load(sin + v * kLanes);
-          k[v] = x1 * c - x2 * sn;
-          k[v + half / kLanes] = x2 * c + x1 * sn;
+    float* tile = work.tile.data();
+    const float** k_atoms = work.atoms.data();  // atom number -> its row, for this row of the batch
+    for (int64_t n = 0; n < a.k_ntot; ++n) k_atoms[n] = atom_at(a.k_shared, a.k_extra, k_offsets[n], d);
+    for (int64_t t0 = lo; t0 < hi; t0 += kLanes) {
+      const int64_t n = std::min(kLanes, hi - t0);
+      for (int64_t h = 0; h < H; ++h) {
+        const idx_t* k_idx = typed<idx_t>(a.k_idx, b * a.kc_b + h * a.kc_h);
+        const coef_t* k_coef = typed<coef_t>(a.k_coef, b * a.kc_b + h * a.kc_h);
+        const at::Half* k_scale = key_scale(h);
+        const float* mean = a.key_mean ? a.key_mean + h * d : nullptr;
+        for (int64_t i = 0; i < kLanes; ++i) {
+          const int64_t t = t0 + i;
+          if (i >= n || !ok[t - lo]) {  // past the end, a hole or a masked column: a zero key, its score set below
+            for (int64_t v = 0; v < nv; ++v) store(tile + i * d + v * kLanes, vf{});
+            continue;
+          }
+          const float unit = k_scale ? static_cast<float>(k_scale[t]) : 1.f;
+          float cf[kMaxSparsity];  // the token's coefficients and atoms first, so the sums below wait on loads alone
+          const float* atoms[kMaxSparsity];
+          for (int64_t j = 0; j < a.s_k; ++j) cf[j] = static_cast<float>(k_coef[t * a.s_k + j]) * unit;
+          for (int64_t j = 0; j < a.s_k; ++j) atoms[j] = k_atoms[k_idx[t * a.s_k + j]];
+          vf k[NV ? NV : kMaxHead / kLanes];
+          for (int64_t v = 0; v < nv; ++v) k[v] = mean ? load(mean + v * kLanes) : vf{};
+          for (int64_t j = 0; j < a.s_k; ++j)
+            for (int64_t v = 0; v < nv; ++v) k[v] += cf[j] * load(atoms[j] + v * kLanes);
+          const float* cos = a.rope_cs + a.coded_pos[b * a.cp_b + t] * 2 * half;  // RoPE at the token's position:
+          const float* sin = cos + half;                                          // channel i turns with i + half
+          if (whole) {
+            for (int64_t v = 0; v < half / kLanes; ++v) {
+              const vf x1 = k[v], x2 = k[v + half / kLanes], cs = load(cos + v * kLanes), sn = load(sin + v * kLanes);
+              k[v] = x1 * cs - x2 * sn;
+              k[v + half / kLanes] = x2 * cs + x1 * sn;
+            }
+          } else {
+            float flat[kMaxHead];
+            for (int64_t v = 0; v < nv; ++v) store(flat + v * kLanes, k[v]);
+            for (int64_t ch = 0; ch < half; ++ch) {
+              const float x1 = flat[ch], x2 = flat[ch + half];
+              flat[ch] = x1 * cos[ch] - x2 * sin[ch];
+              flat[ch + half] = x2 * cos[ch] + x1 * sin[ch];
+            }
+            for (int64_t v = 0; v < nv; ++v) k[v] = load(flat + v * kLanes);
+          }
+          for (int64_t v = 0; v < nv; ++v) store(tile + i * d + v * kLanes, k[v]);
         }
-      } else {
-        float flat[kMaxHead];
-        for (int64_t v = 0; v < nv; ++v) store(flat + v * kLanes, k[v]);
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = flat[i], x2 = flat[i + half];
-          flat[i] = x1 * cos[i] - x2 * sin[i];
-          flat[i + half] = x2 * cos[i] + x1 * sin[i];
+        for (int64_t g = 0; g < G; ++g) {  // kLanes dot products side by side, summed across by one transpose
+          const float* q = a.q + ((b * H + h) * G + g) * d;
+          vf dots[kLanes];
+          const vf q0 = load(q);
+          for (int64_t i = 0; i < kLanes; ++i) dots[i] = q0 * load(tile + i * d);
+          for (int64_t v = 1; v < nv; ++v) {
+            const vf qv = load(q + v * kLanes);
+            for (int64_t i = 0; i < kLanes; ++i) dots[i] += qv * load(tile + i * d + v * kLanes);
+          }
+          float sums[kLanes];
+          store(sums, transpose_sum(dots));
+          float* row = scores + (h * G + g) * WL + (t0 - lo);
+          for (int64_t i = 0; i < n; ++i) row[i] = ok[t0 - lo + i] ? sums[i] : neg_inf;
         }
-        for (int64_t v = 0; v < nv; ++v) k[v] = load(flat + v * kLanes);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        vf dot = q[g][0] * k[0];
-        for (int64_t v = 1; v < nv; ++v) dot += q[g][v] * k[v];
-        scores[g * W + t] = hsum(dot);
       }
     }
   } else {
-    for (int64_t n = 0; n < a.k_ntot; ++n) {  // q.D once per query row, gathered by code below
-      const float* atom = atom_at(a.k_shared, a.k_extra, k_offsets[n], d);
+    std::vector<float>& qd = work.qd;
+    for (int64_t h = 0; h < H; ++h) {
+      const idx_t* k_idx = typed<idx_t>(a.k_idx, b * a.kc_b + h * a.kc_h);
+      const coef_t* k_coef = typed<coef_t>(a.k_coef, b * a.kc_b + h * a.kc_h);
+      const at::Half* k_scale = key_scale(h);
+      for (int64_t n = 0; n < a.k_ntot; ++n) {  // q.D once per query row, gathered by code below
+        const float* atom = atom_at(a.k_shared, a.k_extra, k_offsets[n], d);
+        for (int64_t g = 0; g < G; ++g) qd[g * a.k_ntot + n] = dot_rows(a.q + ((b * H + h) * G + g) * d, atom, nv);
+      }
       for (int64_t g = 0; g < G; ++g) {
-        vf dot = q[g][0] * load(atom);
-        for (int64_t v = 1; v < nv; ++v) dot += q[g][v] * load(atom + v * kLanes);
-        qd[g * a.k_ntot + n] = hsum(dot);
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float base = 0.f;  // q.mean: the same for every token
-      if (mean) {
-        vf dot = q[g][0] * load(mean);
-        for (int64_t v = 1; v < nv; ++v) dot += q[g][v] * load(mean + v * kLanes);
-        base = hsum(dot);
-      }
-      const float* table = qd.data() + g * a.k_ntot;
-      for (int64_t t = 0; t < a.T; ++t) {
-        float sc = 0.f;
-        for (int64_t j = 0; j < a.s_k; ++j)
-          sc += static_cast<float>(k_coef[t * a.s_k + j]) * table[k_idx[t * a.s_k + j]];
-        scores[g * W + t] = ok[t] ? base + sc * (k_scale ? static_cast<float>(k_scale[t]) : 1.f) : neg_inf;
+        const float* q = a.q + ((b * H + h) * G + g) * d;
+        const float base = a.key_mean ? dot_rows(q, a.key_mean + h * d, nv) : 0.f;  // q.mean: the same for every token
+        const float* table = qd.data() + g * a.k_ntot;
+        float* row = scores + (h * G + g) * WL;
+        for (int64_t t = lo; t < hi; ++t) {
+          float sc = 0.f;
+          for (int64_t j = 0; j < a.s_k; ++j)
+            sc += static_cast<float>(k_coef[t * a.s_k + j]) * table[k_idx[t * a.s_k + j]];
+          row[t - lo] = ok[t - lo] ? base + sc * (k_scale ? static_cast<float>(k_scale[t]) : 1.f) : neg_inf;
+        }
       }
     }
   }
 
-  // 2. Scores over the dense tier.
-  const int64_t dense_at = b * a.ds_b + h * a.ds_h;
-  const dense_t* dense_k = static_cast<const dense_t*>(a.dense_k) + dense_at;
-  for (int64_t t = 0; t < a.S; ++t) {
-    if (!ok[a.T + t]) {
-      for (int64_t g = 0; g < G; ++g) scores[g * W + a.T + t] = neg_inf;
-      continue;
+  // 2. Scores over the dense tier (the last chunk's).
+  const dense_t* dense_k = static_cast<const dense_t*>(a.dense_k) + b * a.ds_b;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t t = 0; t < S; ++t) {
+      vf k[NV ? NV : kMaxHead / kLanes];
+      if (ok[L + t])
+        for (int64_t v = 0; v < nv; ++v) k[v] = load_as_float(dense_k + h * a.ds_h + t * a.ds_s + v * kLanes);
+      for (int64_t g = 0; g < G; ++g)
+        scores[(h * G + g) * WL + L + t] = ok[L + t] ? dot_vf(a.q + ((b * H + h) * G + g) * d, k, nv) : neg_inf;
     }
-    vf k[NV ? NV : kMaxHead / kLanes];
-    for (int64_t v = 0; v < nv; ++v) k[v] = load_as_float(dense_k + t * a.ds_s + v * kLanes);
-    for (int64_t g = 0; g < G; ++g) {
-      vf dot = q[g][0] * k[0];
-      for (int64_t v = 1; v < nv; ++v) dot += q[g][v] * k[v];
-      scores[g * W + a.T + t] = hsum(dot);
-    }
-  }
 
-  // 3. Softmax per query row; a row that sees nothing (left padding) gets zero weights and a zero output.
-  for (int64_t g = 0; g < G; ++g) {
-    float* w = scores.data() + g * W;
+  // 3. Weights relative to the chunk's largest score per query row; a row that sees nothing keeps zero weights.
+  const int64_t part = (b * p.C + c) * H;  // this chunk's first (KV head) entry in the partials
+  for (int64_t hg = 0; hg < H * G; ++hg) {
+    float* w = scores + hg * WL;
     float top = neg_inf;
-    for (int64_t t = 0; t < W; ++t) top = w[t] > top ? w[t] : top;
+    for (int64_t t = 0; t < WL; ++t) top = w[t] > top ? w[t] : top;
+    float total = 0.f;
     if (top == neg_inf) {
-      std::fill(w, w + W, 0.f);
-      continue;
+      std::fill(w, w + WL, 0.f);
+    } else {
+      vf sums = vf{};
+      int64_t t = 0;
+      for (; t + kLanes <= WL; t += kLanes) {
+        const vf e = exp_nonpositive(load(w + t) - top);
+        store(w + t, e);
+        sums += e;
+      }
+      total = hsum(sums);
+      for (; t < WL; ++t) {
+        w[t] = exp_nonpositive(w[t] - top);
+        total += w[t];
+      }
     }
-    vf sums = vf{};
-    int64_t t = 0;
-    for (; t + kLanes <= W; t += kLanes) {
-      const vf e = exp_nonpositive(load(w + t) - top);
-      store(w + t, e);
-      sums += e;
-    }
-    float total = hsum(sums);
-    for (; t < W; ++t) {
-      w[t] = exp_nonpositive(w[t] - top);
-      total += w[t];
-    }
-    const float inv = 1.f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < W; ++t) w[t] *= inv;
+    p.top[part * G + hg] = top;
+    p.total[part * G + hg] = total;
   }
 
-  // 4. Values: the dense tier directly, the coded tokens through the weight each atom received.
-  vf out[kMaxGroup][NV ? NV : kMaxHead / kLanes];
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t v = 0; v < nv; ++v) out[g][v] = vf{};
-  const dense_t* dense_v = static_cast<const dense_t*>(a.dense_v) + dense_at;
-  for (int64_t t = 0; t < a.S; ++t) {
-    if (!ok[a.T + t]) continue;
-    vf x[NV ? NV : kMaxHead / kLanes];
-    for (int64_t v = 0; v < nv; ++v) x[v] = load_as_float(dense_v + t * a.ds_s + v * kLanes);
-    for (int64_t g = 0; g < G; ++g) {
-      const float wt = scores[g * W + a.T + t];
-      for (int64_t v = 0; v < nv; ++v) out[g][v] += wt * x[v];
+  // 4. Values: the dense tier directly; the coded tokens' weights times their coefficients onto their atoms.
+  typedef float v4 __attribute__((vector_size(16)));
+  const int64_t quads = p.Gp / 4;
+  for (int64_t h = 0; h < H; ++h) {
+    float* out = p.out + (part + h) * G * d;
+    std::fill(out, out + G * d, 0.f);
+    const dense_t* dense_v = static_cast<const dense_t*>(a.dense_v) + b * a.ds_b + h * a.ds_h;
+    accumulate(out, G, nv, S, scores + h * G * WL + L, 1, WL,
+               [&](int64_t t) { return ok[L + t] ? dense_v + t * a.ds_s : nullptr; });
+    const idx_t* v_idx = typed<idx_t>(a.v_idx, b * a.vc_b + h * a.vc_h);
+    const coef_t* v_coef = typed<coef_t>(a.v_coef, b * a.vc_b + h * a.vc_h);
+    const at::Half* v_scale = a.v_scale ? a.v_scale + b * a.vs_b + h * a.vs_h : nullptr;
+    float* acc = p.acc + (part + h) * a.v_ntot * p.Gp;  // (v_ntot, Gp): an atom's weights for all query rows together
+    std::fill(acc, acc + a.v_ntot * p.Gp, 0.f);
+    for (int64_t t = lo; t < hi; ++t) {
+      if (!ok[t - lo]) continue;
+      v4 wt[kMaxGroup / 4];
+      for (int64_t u = 0; u < quads; ++u) {
+        float w[4];
+        for (int64_t i = 0; i < 4; ++i) w[i] = u * 4 + i < G ? scores[(h * G + u * 4 + i) * WL + t - lo] : 0.f;
+        wt[u] = v4{w[0], w[1], w[2], w[3]};
+      }
+      const float unit = v_scale ? static_cast<float>(v_scale[t]) : 1.f;
+      for (int64_t j = 0; j < a.s_v; ++j) {
+        const float cv = static_cast<float>(v_coef[t * a.s_v + j]) * unit;
+        float* into = acc + v_idx[t * a.s_v + j] * p.Gp;
+        for (int64_t u = 0; u < quads; ++u) {
+          v4 x;
+          std::memcpy(&x, into + u * 4, sizeof(x));
+          x += wt[u] * cv;
+          std::memcpy(into + u * 4, &x, sizeof(x));
+        }
+      }
     }
   }
-  const idx_t* v_idx = static_cast<const idx_t*>(a.v_idx) + b * a.vc_b + h * a.vc_h;
-  const coef_t* v_coef = static_cast<const coef_t*>(a.v_coef) + b * a.vc_b + h * a.vc_h;
-  const at::Half* v_scale = a.v_scale ? a.v_scale + b * a.vs_b + h * a.vs_h : nullptr;
+}
+
+// (row b, KV head h): its chunks' partials brought to one largest score, summed, the atom weights multiplied out
+// against the value atoms, and divided by the weights' total.
+void merge_head(const Args& a, const Partials& p, int64_t b, int64_t h, std::vector<float>& merged) {
+  const int64_t G = a.G, d = a.d, nv = d / kLanes, C = p.C;
+  float* out = a.out + (b * a.H + h) * G * d;
+  float scale[kMaxChunks][kMaxGroup], total[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < C; ++c) top = std::max(top, p.top[((b * C + c) * a.H + h) * G + g]);
+    total[g] = 0.f;
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t at = ((b * C + c) * a.H + h) * G + g;
+      scale[c][g] = p.top[at] == top ? 1.f : exp_nonpositive(p.top[at] - top);  // -inf against -inf: a zero chunk
+      total[g] += scale[c][g] * p.total[at];
+    }
+  }
+  const float* acc = p.acc + (b * C * a.H + h) * a.v_ntot * p.Gp;
+  std::copy(p.out + (b * C * a.H + h) * G * d, p.out + (b * C * a.H + h + 1) * G * d, out);
+  if (C > 1) {
+    std::fill(merged.begin(), merged.begin() + a.v_ntot * p.Gp, 0.f);
+    std::fill(out, out + G * d, 0.f);
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t at = (b * C + c) * a.H + h;
+      float sc[kMaxGroup + 4] = {};
+      for (int64_t g = 0; g < G; ++g) sc[g] = scale[c][g];
+      const float* from = p.acc + at * a.v_ntot * p.Gp;
+      for (int64_t n = 0; n < a.v_ntot; ++n)
+        for (int64_t g = 0; g < p.Gp; ++g) merged[n * p.Gp + g] += sc[g] * from[n * p.Gp + g];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < d; ++i) out[g * d + i] += sc[g] * p.out[(at * G + g) * d + i];
+    }
+    acc = merged.data();
+  }
   const int64_t* v_offsets = a.v_offsets + b * a.v_ntot;
-  std::fill(acc.begin(), acc.begin() + G * a.v_ntot, 0.f);
-  for (int64_t t = 0; t < a.T; ++t) {
-    if (!ok[t]) continue;
-    const float unit = v_scale ? static_cast<float>(v_scale[t]) : 1.f;
-    for (int64_t j = 0; j < a.s_v; ++j) {
-      const float c = static_cast<float>(v_coef[t * a.s_v + j]) * unit;
-      const int64_t n = v_idx[t * a.s_v + j];
-      for (int64_t g = 0; g < G; ++g) acc[g * a.v_ntot + n] += scores[g * W + t] * c;
-    }
+  accumulate(out, G, nv, a.v_ntot, acc, p.Gp, 1,
+             [&](int64_t n) { return atom_at(a.v_shared, a.v_extra, v_offsets[n], d); });
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;  // a query row that sees nothing: zeros
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] *= inv;
   }
-  for (int64_t n = 0; n < a.v_ntot; ++n) {
-    const float* atom = atom_at(a.v_shared, a.v_extra, v_offsets[n], d);
-    vf x[NV ? NV : kMaxHead / kLanes];
-    for (int64_t v = 0; v < nv; ++v) x[v] = load(atom + v * kLanes);
-    for (int64_t g = 0; g < G; ++g) {
-      const float wn = acc[g * a.v_ntot + n];
-      for (int64_t v = 0; v < nv; ++v) out[g][v] += wn * x[v];
-    }
-  }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t v = 0; v < nv; ++v) store(a.out + (bh * G + g) * d + v * kLanes, out[g][v]);
 }
 
 template <typename idx_t, typename coef_t, typename dense_t, int64_t NV>
 void attend(const Args& a) {
-  at::parallel_for(0, a.B * a.H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(a.G * (a.T + a.S)), acc(a.G * a.v_ntot), qd(a.rope_cs ? 0 : a.G * a.k_ntot);
-    std::vector<char> seen(a.allowed ? 0 : a.T + a.S);
-    for (int64_t bh = begin; bh < end; ++bh) attend_one<idx_t, coef_t, dense_t, NV>(a, bh, scores, acc, qd, seen);
+  // Rows split into chunks of their coded tokens when there are fewer rows than twice the threads (one stream of 8k
+  // tokens: four chunks on two threads rather than three heads), at least kMinChunk tokens each.
+  const int64_t threads = at::get_num_threads();
+  const int64_t C = std::max<int64_t>(1, std::min({(2 * threads + a.B - 1) / a.B, a.T / kMinChunk, kMaxChunks}));
+  const int64_t Gp = (a.G + 3) / 4 * 4, H = a.H, G = a.G;
+  Tensor buf = at::empty({a.B * C * H * (2 * G + G * a.d + a.v_ntot * Gp)}, at::kFloat);
+  float* base = buf.data_ptr<float>();
+  const int64_t n = a.B * C * H;
+  Partials p{C, Gp, base, base + n * G, base + 2 * n * G, base + n * (2 * G + G * a.d)};
+  const int64_t longest = (a.T + C - 1) / C + a.S;
+  at::parallel_for(0, a.B * C, 1, [&](int64_t begin, int64_t end) {
+    Work work{std::vector<float>(H * G * longest), std::vector<float>(a.rope_cs ? 0 : G * a.k_ntot),
+              std::vector<float>(a.rope_cs ? kLanes * a.d : 0), std::vector<const float*>(a.rope_cs ? a.k_ntot : 0),
+              std::vector<char>(longest)};
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / C, c = task % C;
+      attend_chunk<idx_t, coef_t, dense_t, NV>(a, p, b, c, a.T * c / C, a.T * (c + 1) / C, c == C - 1, work);
+    }
+  });
+  at::parallel_for(0, a.B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(C > 1 ? a.v_ntot * Gp : 0);
+    for (int64_t bh = begin; bh < end; ++bh) merge_head(a, p, bh / H, bh % H, merged);
   });
 }
 
@@ -316,6 +466,7 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
               "coded_decode_attention: head sizes up to ", kMaxHead, " in multiples of ", kLanes, ", up to ",
               kMaxGroup, " query heads per KV head");
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), d = q.size(3), T = k_idx.size(2);
+  TORCH_CHECK(k_idx.size(3) <= kMaxSparsity, "coded_decode_attention: up to ", kMaxSparsity, " atoms per key");
   check_codes(k_idx, k_coef, k_scale, k_shared, k_extra, k_offsets, B, H, T, d, "key");
   check_codes(v_idx, v_coef, v_scale, v_shared, v_extra, v_offsets, B, H, T, d, "value");
   TORCH_CHECK(k_idx.scalar_type() == v_idx.scalar_type() && k_coef.scalar_type() == v_coef.scalar_type(),

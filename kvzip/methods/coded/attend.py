@@ -72,9 +72,12 @@ class CodedAttention:
 
     def _fused(self) -> bool:
         """Whether one new token's attention runs in the fused CPU kernel (kvzip/kernels) rather than the PyTorch
-        reference below: `kernel=auto`, on the CPU, int8 or fp16 coefficients, and the kernel built."""
+        reference below: `kernel=auto`, on the CPU, int8 or fp16 coefficients, head sizes and sparsities the kernel
+        holds, and the kernel built."""
+        d = self.keys.shape[-1]
         return (self.cfg.kernel == "auto" and self.keys.device.type == "cpu"
-                and self.coded_keys.codes.stored.dtype in (torch.int8, torch.float16) and kernels.available())
+                and self.coded_keys.codes.stored.dtype in (torch.int8, torch.float16) and d % 16 == 0 and d <= 256
+                and max(self.coded_keys.sparsity, self.coded_values.sparsity) <= 64 and kernels.available())
 
     def _fused_attention(self, query, mask, scaling):
         """query (B, Hq, 1, d) -> (B, 1, Hq, d) by `torch.ops.kvzip.coded_decode_attention`: the same attention as
