@@ -170,6 +170,20 @@ def test_decay_carries_earlier_votes_into_the_next_selection(tiny, decay, expect
     assert cache.rows[0].zoom == expect
 
 
+@pytest.mark.parametrize("margin, second, expect", [("0", 9.0, [2]), ("0.25", 9.0, [1]), ("0.25", 7.0, [2])])
+def test_a_zoomed_thought_is_replaced_only_by_a_challenger_ahead_by_the_margin(tiny, margin, second, expect):
+    """zoom_margin: thought 1, zoomed in, counts its votes 1 + margin times; thought 2 with 10 votes replaces it only
+    when 10 beats that (9 * 1.25 = 11.25 holds, 7 * 1.25 = 8.75 does not)."""
+    cache = get_method("zoomr", {"zoom_thoughts": "1", "vote_decay": "0", "zoom_margin": margin}).make_cache(tiny)
+    cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
+    cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(3)]
+    cache.ballot.votes = torch.tensor([[0.0, 10.0, 0.0]])
+    assert cache._select() and cache.rows[0].zoom == [1]
+    cache.ballot.votes = torch.tensor([[0.0, second, 10.0]])
+    cache._select()
+    assert cache.rows[0].zoom == expect
+
+
 def test_zooming_in_on_every_thought_equals_full(tiny, tokenizer):
     """With every thought zoomed in at every step, the active context is everything: logits match full."""
     text = "alpha beta gamma.\n\ndelta epsilon zeta.\n\neta theta iota.\n\nkappa lambda mu nu xi"
@@ -202,6 +216,21 @@ def test_sumr_keeps_no_detail_and_never_zooms(tiny, tokenizer):
     cache, _, _, _ = feed(tiny, tokenizer, get_method("sumr", SMALL), "p", text)
     assert cache.memory()["host"] == 0 and cache.rows[0].zoom == [] and len(cache.rows[0].thoughts) == 6
     assert cache.ballot is None and not any(ix for layer in cache.layers for ix in layer.index)  # no index to vote on
+
+
+def test_tails_move_together_every_quarter_window_of_decode_steps(tiny, tokenizer, monkeypatch):
+    """sumr rebuilds only when a tail moves: while decoding, that happens at every quarter window (2 steps here) of
+    decode steps and for every row at once, whatever each row's thought ends do to its tail."""
+    import kvzip.methods.thoughts.cache as thought_cache
+    at = []
+    real = thought_cache.rebuild_rows
+    monkeypatch.setattr(thought_cache, "rebuild_rows", lambda cache, moved: (at.append(cache.steps), real(cache, moved)))
+    method = get_method("sumr", {**SMALL, "max_thought_tokens": "5"})
+    prompts = [tokenizer("a")["input_ids"], tokenizer("a much longer prompt here")["input_ids"]]
+    list(engine.generate(tiny, tokenizer, prompts, method.make_cache(tiny),
+                         engine.Settings(max_new_tokens=40, ignore_eos=True)))
+    decoding = at[1:]  # the first is the prompt's
+    assert len(decoding) >= 10 and all(step % 2 == 0 for step in decoding)
 
 
 @pytest.mark.parametrize("name", ["zoomr", "sumr", "h2o", "zoomr-thought", "sumr-novel"])

@@ -80,6 +80,7 @@ class ZoomR(ThoughtOptions):
     zoom_thoughts: int = 2
     select_at: str = "token"
     vote_decay: float = 0.8
+    zoom_margin: float = 0.25
     detail: str = "int8"
 
     def __post_init__(self):
@@ -89,6 +90,8 @@ class ZoomR(ThoughtOptions):
         check_positive(votes_per_head=self.votes_per_head, zoom_thoughts=self.zoom_thoughts)
         if not 0 <= self.vote_decay < 1:
             raise ValueError(f"vote_decay must be in [0, 1), got {self.vote_decay}")
+        if not self.zoom_margin >= 0:
+            raise ValueError(f"zoom_margin must be >= 0, got {self.zoom_margin}")
 
     @property
     def needs_dictionary(self) -> bool:
@@ -113,5 +116,5 @@ class ZoomR(ThoughtOptions):
             sparsity = int(dictionaries.meta.get("sparsity", 8))  # the sparsity the dictionary was trained for
             detail = [CodedDetail(atoms, sparsity, kv_heads)  # each layer codes with atoms on its own device
                       for atoms in prepare_for_devices(dictionaries, layer_devices(model))]
-        zoom = Zoom(self.votes_per_head, self.zoom_thoughts, self.select_at, self.vote_decay)
+        zoom = Zoom(self.votes_per_head, self.zoom_thoughts, self.select_at, self.vote_decay, self.zoom_margin)
         return ThoughtCache(self, self.thought_config(zoom, detail), ropes, windows)

@@ -4,8 +4,9 @@ Active context on the device, per row = the prompt (kept in full; it holds the a
 thought's summary + (zoomr) the zoomed thoughts' full K/V, loaded back from the detail tier + the recent tail (the
 last `window` tokens and the whole unfinished thought). Rows of a left-padded batch have their own thoughts; each
 layer keeps its tokens in one pool the rows share and each row lists its slots (kvzip.methods.thoughts.pool), so a
-shorter row costs nothing for the longest. A row's buffer is rebuilt when its zoom set changes or its tail has
-moved by a quarter window, each row on its own schedule, so a row of a batch keeps exactly what it would keep alone.
+shorter row costs nothing for the longest. A row's buffer is rebuilt when its zoom set changes or, every quarter window of
+decode steps, when its tail has moved: each row on its own schedule (decode steps count alike for a row alone and in a
+batch), so a row of a batch keeps exactly what it would keep alone.
 
 Zoom-in is applied one step late: layer L attends before layer L+1 has even computed its query, so the consensus of
 the votes exists only after the whole forward. Votes cast during one token's forward choose the zoom set from the
@@ -47,6 +48,7 @@ class Zoom:
     zoom_thoughts: int
     select_at: str  # "token": a vote at every step; "thought": at every thought end
     vote_decay: float
+    margin: float = 0.0  # a thought in the zoom set counts its tally 1 + margin times (index.Ballot)
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,8 @@ class ThoughtCache(KVCache):
         self.next_finishing: list[tuple[int, int]] = []
         self.voting = self.next_voting = None  # (B,) bool rows voting in this / the next forward
         self.any_voting = self.next_any = False
-        self.ballot = None if config.zoom is None else Ballot(config.zoom.zoom_thoughts, config.zoom.vote_decay)
+        self.ballot = None if config.zoom is None else Ballot(config.zoom.zoom_thoughts, config.zoom.vote_decay,
+                                                                 config.zoom.margin)
         self.tail_start: list[int] = []
         self.zoomed: list[set[int]] = []  # per row, the zoom set its buffers were last gathered for
         self.overhead_s, self.steps, self.rebuilds = 0.0, 0, 0
@@ -272,8 +275,13 @@ class ThoughtCache(KVCache):
         for b, row in enumerate(self.rows):
             opens = [row.thoughts[t][0] for rb, t in self.next_finishing if rb == b]
             need.append(min([row.cur, max(self.seen - window, 0)] + opens))
+        # A tail moves once it is a quarter window behind, and while decoding only every quarter window of steps, all
+        # rows at once: a row's schedule stays its own (decode steps count alike alone and in a batch), and one rebuild
+        # serves every row that moved instead of one each.
+        quarter = max(window // 4, 1)
+        due = q_len == 1 and self.steps % quarter == 0
         moved = [b for b, (n, r) in enumerate(zip(need, self.rows))
-                 if b in changed or n - r.tail_from >= max(window // 4, 1)]
+                 if b in changed or (n - r.tail_from >= quarter if q_len > 1 else due and n > r.tail_from)]
         if not self.tail_start:
             self.tail_start = [r.tail_from for r in self.rows]
         if moved:
@@ -335,7 +343,7 @@ class ThoughtCache(KVCache):
         changed: set[int] = set()
         if self.ballot is None:
             return changed
-        for b, zoom in self.ballot.select().items():
+        for b, zoom in self.ballot.select([row.zoom for row in self.rows]).items():
             self.last_zoom[b] = zoom
             if zoom != self.rows[b].zoom:
                 self.rows[b].zoom = zoom

@@ -5,7 +5,9 @@ post-RoPE keys favoured recent thoughts). Before scoring, the keys are centred o
 length (`centre_index`). At a selection point every query head of every layer scores the index keys with its query
 (turned back the same way) and votes for its `votes_per_head` best thoughts; the `Ballot` sums the votes over heads
 and layers, carries earlier ones forward with weight `vote_decay`, and its `zoom_thoughts` most-voted thoughts are
-the zoom set. Ties are broken the same way everywhere (`ranked`), so a row chooses in a batch as it would alone.
+the zoom set, a thought already in it counting its tally `1 + zoom_margin` times (a challenger must beat it by that
+margin: two thoughts with near-equal tallies would otherwise swap places every few tokens, and every swap reloads a
+thought into every layer). Ties are broken the same way everywhere (`ranked`), so a row chooses in a batch as it would alone.
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ def head_votes(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, per
 class Ballot:
     """The vote tally of one forward, summed over the layers, and the zoom sets it chooses."""
 
-    def __init__(self, zoom_thoughts: int, decay: float):
-        self.zoom_thoughts, self.decay = zoom_thoughts, decay
+    def __init__(self, zoom_thoughts: int, decay: float, margin: float = 0.0):
+        self.zoom_thoughts, self.decay, self.margin = zoom_thoughts, decay, margin
         self.votes: torch.Tensor | None = None  # (B, T) votes cast in the current forward
         self.running: torch.Tensor | None = None  # (B, T) decayed tally of earlier forwards (decay > 0)
         self.selections = 0
@@ -79,8 +81,9 @@ class Ballot:
             self.votes = torch.zeros(choices.shape[0], thoughts, device=choices.device)
         self.votes.scatter_add_(1, choices, weights)
 
-    def select(self) -> dict[int, list[int]]:
-        """Close the tally: the zoom set (sorted thought indices) of every row that cast votes, by row."""
+    def select(self, current: list[list[int]]) -> dict[int, list[int]]:
+        """Close the tally: the zoom set (sorted thought indices) of every row that cast votes, by row; `current` is
+        each row's zoom set now (its thoughts count `1 + margin` times their tally)."""
         chosen: dict[int, list[int]] = {}
         if self.votes is None:
             return chosen
@@ -92,7 +95,11 @@ class Ballot:
             cast = votes.sum(1, keepdim=True) > 0
             self.running = torch.where(cast, self.decay * grown + votes, grown)
         tally = self.running if self.decay > 0 else votes
-        top = ranked(tally)[:, : self.zoom_thoughts]  # (B, c) the most-voted of every row, ties to the earlier thought
+        held = torch.zeros(tally.shape[0], tally.shape[1] + 1, device=tally.device)  # the last column: padding
+        pad = tally.shape[1]
+        held.scatter_(1, torch.tensor([z + [pad] * (self.zoom_thoughts - len(z)) for z in current],
+                                      device=tally.device).clamp(max=pad), 1.0)
+        top = ranked(tally * (1 + self.margin * held[:, :pad]))[:, : self.zoom_thoughts]  # (B, c) the most-voted of every row, ties to the earlier thought
         # one read back to the host for the whole batch: which rows voted, their top thoughts and those thoughts' tally
         cast, top_ids, top_votes = (votes.sum(1) > 0).tolist(), top.tolist(), tally.gather(1, top).tolist()
         for b in range(votes.shape[0]):
