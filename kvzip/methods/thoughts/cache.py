@@ -96,6 +96,8 @@ class ThoughtLayer(DenseLayer):
         self.detail = [[] for _ in range(self.batch)]  # per row, per thought: K and V parts off the device
         self.stacked = None  # centred index keys (B, Hkv, T, d) and valid (B, T), built when first needed
         self.host_bytes = 0
+        self.kernel_ok = None  # whether this layer's decode can run in the fused kernel (`_fused`), once known
+        self.first = {}  # masked or not -> (B,) the first position a row's decode query sees, on this layer's device
 
     # rows, summaries, index keys and detail are per-row state beyond keys and values: reordering rows is refused
     ROW_TENSORS = ()
@@ -174,16 +176,20 @@ class ThoughtLayer(DenseLayer):
         """Whether one new token's attention runs in the fused CPU kernel on the pool (kvzip/kernels): `kernel=auto`,
         one token on a full-attention layer (a sliding window's mask is the general one), on the CPU, the kernel
         built."""
-        d, group = query.shape[3], query.shape[1] // self.kv_heads
-        return (query.shape[2] == 1 and self.sliding is None and query.device.type == "cpu" and d % 16 == 0
-                and d <= 256 and group <= 32 and self.cache.config.kernel == "auto" and kernels.available())
+        if self.kernel_ok is None:  # what does not change from step to step, decided once
+            d, group = query.shape[3], query.shape[1] // self.kv_heads
+            self.kernel_ok = (self.sliding is None and query.device.type == "cpu" and d % 16 == 0 and d <= 256
+                              and group <= 32 and self.cache.config.kernel == "auto" and kernels.available())
+        return query.shape[2] == 1 and self.kernel_ok
 
     def _pooled_attention(self, query, mask, scaling):
         """The fused kernel over each row's slots: a slot counts from the row's first real position on (the engine's
         decode mask hides only left padding), or from position 0 without a mask (one stream)."""
         b, hq, _, d = query.shape
-        first = (self.cache.first_real.to(self.device).view(b) if mask is not None
-                 else torch.zeros(b, dtype=torch.long, device=self.device))
+        first = self.first.get(mask is not None)
+        if first is None:  # the rows' first real positions do not change after the prompt
+            first = self.first[mask is not None] = (self.cache.first_real.to(self.device).view(b) if mask is not None
+                                                    else torch.zeros(b, dtype=torch.long, device=self.device))
         q = (query.float() * scaling).view(b, self.kv_heads, hq // self.kv_heads, d)  # head j*g+i reads KV head j
         out = torch.ops.kvzip.pooled_decode_attention(q.contiguous(), self.pool.keys, self.pool.values, self.slots,
                                                       self.positions, first)
