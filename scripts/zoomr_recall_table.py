@@ -24,7 +24,8 @@ FACTS = 4  # facts stated per trial, one of them asked for (recall_probe's defau
 # zoomr with a small window and short thoughts, so that every fact is outside the window when it is asked for
 ZOOMR = {"window": "32", "max_thought_tokens": "48"}
 # The zoomr variants after the defaults: (options on top of ZOOMR).
-ZOOMR_VARIANTS = [{"summary_pick": "norm"}, {"select_at": "thought", "vote_decay": "0"}, {"zoom_thoughts": "3"}]
+ZOOMR_VARIANTS = [{"summary_pick": "norm"}, {"select_at": "thought", "vote_decay": "0"}, {"zoom_thoughts": "3"},
+                  {"zoom_margin": "0"}]
 # sumr, the summaries without zooming: its window holds about two of zoomr's zoomed thoughts more.
 SUMR = [{"window": "128", "max_thought_tokens": "48"},
         {"window": "128", "max_thought_tokens": "48", "summary_pick": "novel"}]
