@@ -224,7 +224,8 @@ def test_tails_move_together_every_quarter_window_of_decode_steps(tiny, tokenize
     import kvzip.methods.thoughts.cache as thought_cache
     at = []
     real = thought_cache.rebuild_rows
-    monkeypatch.setattr(thought_cache, "rebuild_rows", lambda cache, moved: (at.append(cache.steps), real(cache, moved)))
+    monkeypatch.setattr(thought_cache, "rebuild_rows",
+                        lambda cache, moved: (at.append(cache.steps), real(cache, moved)))
     method = get_method("sumr", {**SMALL, "max_thought_tokens": "5"})
     prompts = [tokenizer("a")["input_ids"], tokenizer("a much longer prompt here")["input_ids"]]
     list(engine.generate(tiny, tokenizer, prompts, method.make_cache(tiny),

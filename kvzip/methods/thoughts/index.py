@@ -7,7 +7,8 @@ length (`centre_index`). At a selection point every query head of every layer sc
 and layers, carries earlier ones forward with weight `vote_decay`, and its `zoom_thoughts` most-voted thoughts are
 the zoom set, a thought already in it counting its tally `1 + zoom_margin` times (a challenger must beat it by that
 margin: two thoughts with near-equal tallies would otherwise swap places every few tokens, and every swap reloads a
-thought into every layer). Ties are broken the same way everywhere (`ranked`), so a row chooses in a batch as it would alone.
+thought into every layer). Ties are broken the same way everywhere (`ranked`), so a row chooses in a batch as it
+would alone.
 """
 
 from __future__ import annotations
@@ -95,11 +96,8 @@ class Ballot:
             cast = votes.sum(1, keepdim=True) > 0
             self.running = torch.where(cast, self.decay * grown + votes, grown)
         tally = self.running if self.decay > 0 else votes
-        held = torch.zeros(tally.shape[0], tally.shape[1] + 1, device=tally.device)  # the last column: padding
-        pad = tally.shape[1]
-        held.scatter_(1, torch.tensor([z + [pad] * (self.zoom_thoughts - len(z)) for z in current],
-                                      device=tally.device).clamp(max=pad), 1.0)
-        top = ranked(tally * (1 + self.margin * held[:, :pad]))[:, : self.zoom_thoughts]  # (B, c) the most-voted of every row, ties to the earlier thought
+        score = tally if self.margin == 0 else tally * (1 + self.margin * self._held(current, tally))
+        top = ranked(score)[:, : self.zoom_thoughts]  # (B, c) the most-voted of every row, ties to the earlier thought
         # one read back to the host for the whole batch: which rows voted, their top thoughts and those thoughts' tally
         cast, top_ids, top_votes = (votes.sum(1) > 0).tolist(), top.tolist(), tally.gather(1, top).tolist()
         for b in range(votes.shape[0]):
@@ -108,3 +106,10 @@ class Ballot:
             chosen[b] = sorted(i for i, v in zip(top_ids[b], top_votes[b]) if v > 0)
             self.selections += 1
         return chosen
+
+    def _held(self, current: list[list[int]], tally: torch.Tensor) -> torch.Tensor:
+        """1.0 where a thought is in its row's zoom set `current`, else 0.0, shaped as `tally` (B, T): one scatter for
+        the batch, each row's set padded with a column past the end that is dropped after."""
+        t = tally.shape[1]
+        at = torch.tensor([z + [t] * (self.zoom_thoughts - len(z)) for z in current], device=tally.device)
+        return tally.new_zeros(tally.shape[0], t + 1).scatter_(1, at.clamp(max=t), 1.0)[:, :t]
