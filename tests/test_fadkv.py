@@ -338,6 +338,33 @@ def test_rows_of_any_prompt_length_code_together_every_code_chunk_steps(tiny, to
     assert all(started)
 
 
+@pytest.mark.parametrize("name", ["fadkv", "lexico"])
+def test_kinds_coded_a_few_per_pass_give_the_codes_of_one_pass(tiny, tokenizer, tiny_dictionaries, monkeypatch, name):
+    """On a CPU an event codes a few whole kinds (a layer's keys or values) per pass (`KIND_SLICE` vectors), so their
+    correlations stay in cache for the pursuit; each kind's codes, adaptation and atom counts are its own, so one
+    kind per pass gives the same codes, tokens and counts as every kind in one pass."""
+    from kvzip.methods.coded import coding
+
+    opts = {**SMALL, "adapt_threshold": "0.2", **({"coder": "omp"} if name == "lexico" else {})}
+    prompts = [tokenizer("x" * n)["input_ids"] for n in (3, 12)]
+
+    def run(per_pass):
+        monkeypatch.setattr(coding, "KIND_SLICE", per_pass)
+        cache = get_method(name, opts).make_cache(tiny, tiny_dictionaries)
+        out = [e.token_ids for e in engine.generate(tiny, tokenizer, prompts, cache,
+                                                    engine.Settings(max_new_tokens=40, ignore_eos=True))
+               if isinstance(e, engine.Result)]
+        return out, cache
+
+    (one, whole), (sliced, apart) = run(1 << 30), run(1)
+    assert sliced == one
+    for a, b in zip(whole.layers, apart.layers):
+        for ka, kb in zip(a.kinds, b.kinds):
+            assert torch.equal(ka.codes.idx, kb.codes.idx) and torch.equal(ka.codes.stored, kb.codes.stored)
+            assert torch.equal(ka.refcount, kb.refcount)
+    assert whole.coding.replaced == apart.coding.replaced
+
+
 @pytest.mark.parametrize("name, low", [("fadkv", True), ("lexico", False)])
 def test_bfloat16_model_screens_in_bfloat16_and_omp_stays_fp32(tiny, tokenizer, tiny_dictionaries, monkeypatch, name, low):
     """A model computing in bfloat16 screens its pools on bfloat16 correlations (coding.dictionaries); OMP (lexico)

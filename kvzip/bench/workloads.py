@@ -30,8 +30,6 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
-import torch
-
 from kvzip import engine, evaluate
 
 OUTPUT_PROMPT = "Work through the following problems and explanations step by step, one paragraph per step."

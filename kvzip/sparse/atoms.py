@@ -88,7 +88,7 @@ class Grouped:
             index[g[live], self.ids[live]] = slots_[live]
         self.index = index
         self.live = (self.ids >= 0).nonzero(as_tuple=True)  # (group, slot) of every live overlay atom
-        self._norms = None
+        self._norms = self._lookup = None
 
     @property
     def correlation_dtype(self) -> torch.dtype:
@@ -105,9 +105,11 @@ class Grouped:
     def lookup(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The atoms as the fused kernels read them (`atom_offsets`), with no copy of the shared atoms: (shared
         (L, N, d) as stacked, extra (1 + G·R, d): the zero row then the overlays, offsets (G, size))."""
-        L, N, d = self.atoms.shape
-        extra = torch.cat([self.atoms.new_zeros(1, d), self.vectors.reshape(-1, d)])
-        return self.atoms, extra, atom_offsets(self.index, self.atoms, self.own)
+        if self._lookup is None:  # once: every chunk and shot of a coder call reads the same
+            d = self.atoms.shape[2]
+            extra = torch.cat([self.atoms.new_zeros(1, d), self.vectors.reshape(-1, d)])
+            self._lookup = (self.atoms, extra, atom_offsets(self.index, self.atoms, self.own))
+        return self._lookup
 
     def _group(self, m: int, device) -> torch.Tensor:
         """The group of each of m = G x per vectors (group-major)."""
