@@ -5,8 +5,8 @@ thought's summary + (zoomr) the zoomed thoughts' full K/V, loaded back from the 
 last `window` tokens and the whole unfinished thought). Rows of a left-padded batch have their own thoughts; each
 layer keeps its tokens in one pool the rows share and each row lists its slots (kvzip.methods.thoughts.pool), so a
 shorter row costs nothing for the longest. A row's buffer is rebuilt when its zoom set changes or, every quarter
-window of decode steps, when its tail has moved: each row on its own schedule (decode steps count alike for a row
-alone and in a batch), so a row of a batch keeps exactly what it would keep alone.
+window of decode steps, when its tail has moved: every such row at the same steps, which a row counts alike alone
+and in a batch, so a row of a batch keeps exactly what it would keep alone.
 
 Zoom-in is applied one step late: layer L attends before layer L+1 has even computed its query, so the consensus of
 the votes exists only after the whole forward. Votes cast during one token's forward choose the zoom set from the
