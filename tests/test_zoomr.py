@@ -10,6 +10,7 @@ from kvzip import engine
 from kvzip.bench.recall import forced_decode
 from kvzip.errors import UserError
 from kvzip.methods import get_method
+from kvzip.methods.thoughts.index import ThoughtIndex
 from kvzip.methods.thoughts.segment import Row, parse_boundary
 from kvzip.methods.thoughts.summary import novelty, pick_summary
 from kvzip.rope import unrotate
@@ -89,10 +90,11 @@ def test_content_index_key_is_mean_of_unrotated_summary_keys(tiny, tokenizer):
         tiny(input_ids=torch.tensor([ids]), cache=full, use_cache=True)
     layer0, ref = cache.layers[0], full.layers[0].keys
     assert len(cache.rows[0].thoughts) >= 2
+    raw = cache.index.raw(0)[0]  # row 0's index keys in layer 0 (Hkv, T, d), back from their centred form
     for t in range(len(cache.rows[0].thoughts)):
         pos = layer0.summary_pos[0][t]
         want = unrotate(ref[0][:, pos], pos, layer0.rope).mean(1)  # (Hkv, d)
-        assert torch.allclose(layer0.index[0][t], want, atol=1e-5)
+        assert torch.allclose(raw[:, t], want, atol=1e-5)
 
 
 def voting_layer(tiny, keys, opts):
@@ -102,7 +104,9 @@ def voting_layer(tiny, keys, opts):
     layer = cache.layers[0]
     layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
     layer.positions = torch.zeros(1, 1, dtype=torch.long)
-    cache.index_rows = [[k.expand(len(cache.layers), *k.shape) for k in keys]]  # every layer's index key (L, Hkv, d)
+    cache.index = ThoughtIndex(1)
+    for k in keys:
+        cache.index.add(0, k.expand(len(cache.layers), *k.shape))  # every layer's index key (L, Hkv, d)
     cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
     cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(len(keys))]
     cache.voting, cache.any_voting = torch.ones(1, dtype=torch.bool), True
@@ -132,10 +136,33 @@ def test_centered_index_removes_what_every_thought_shares(tiny):
     cache.queries = [(layer, query.expand(1, 4, 16))]  # (1, Hq=4, 16)
     cache.cast_votes()
     assert cache.ballot.votes.argmax().item() == 2
-    stacked, _ = layer.stacked  # (B, Hkv, T, d)
+    stacked = cache.index.keys()[layer.idx]  # (B, Hkv, T, d)
     want = torch.nn.functional.normalize(raw - raw.mean(0), dim=-1)
     torch.testing.assert_close(stacked[0, 0], want)
     torch.testing.assert_close(stacked[0, 1], want)
+
+
+def test_index_kept_centred_as_thoughts_arrive_equals_centring_them_all_at_once():
+    """ThoughtIndex keeps one centred copy and re-centres a row from it when a thought arrives (past its first room,
+    so it grows): the same unit keys as centring every raw key at once, the raw keys back, and a row's keys the same
+    beside another row as alone."""
+    g = torch.Generator().manual_seed(0)
+    raw = [3 * torch.randn(2, 1, 4, 16, generator=g) + torch.randn(2, 12, 4, 16, generator=g),  # (L, T, Hkv, d)
+           torch.randn(2, 5, 4, 16, generator=g)]
+    both, alone = ThoughtIndex(2), ThoughtIndex(1)
+    for t in range(12):
+        for b, r in enumerate(raw):
+            if t < r.shape[1]:
+                both.add(b, r[:, t])
+        alone.add(0, raw[0][:, t])
+    assert both.width == 12 and both.valid().sum(1).tolist() == [12, 5]
+    for b, r in enumerate(raw):
+        r = r.transpose(1, 2)  # (L, Hkv, T, d)
+        want = torch.nn.functional.normalize(r - r.mean(2, keepdim=True), dim=-1)
+        torch.testing.assert_close(both.keys()[:, b, :, : r.shape[2]], want)
+        torch.testing.assert_close(both.raw(b), r, atol=1e-5, rtol=1e-5)
+    assert torch.equal(both.keys()[:, :1], alone.keys())
+    assert both.layer_bytes() == (2 * 4 * 12 * 17 + 2 * 4 * 16) * 4 + 2 * 12
 
 
 def test_novel_pick_keeps_the_tokens_unlike_the_keys_before_the_thought(tiny):
@@ -215,7 +242,7 @@ def test_sumr_keeps_no_detail_and_never_zooms(tiny, tokenizer):
     text = "".join(f"thought number {i} says hi.\n\n" for i in range(6))
     cache, _, _, _ = feed(tiny, tokenizer, get_method("sumr", SMALL), "p", text)
     assert cache.memory()["host"] == 0 and cache.rows[0].zoom == [] and len(cache.rows[0].thoughts) == 6
-    assert cache.ballot is None and not any(ix for layer in cache.layers for ix in layer.index)  # no index to vote on
+    assert cache.ballot is None and cache.index is None  # no index to vote on
 
 
 def test_tails_move_together_every_quarter_window_of_decode_steps(tiny, tokenizer, monkeypatch):

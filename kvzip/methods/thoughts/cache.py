@@ -33,7 +33,7 @@ from kvzip.attention import causal_tail, decode_path, gather_mask, grouped_atten
 from kvzip.methods.base import DenseLayer, KVCache, KVLayer, tensor_bytes
 from kvzip.methods.thoughts.detail import part_bytes
 from kvzip.methods.thoughts.finalize import finalize
-from kvzip.methods.thoughts.index import Ballot, head_votes, stack_index
+from kvzip.methods.thoughts.index import Ballot, ThoughtIndex, head_votes
 from kvzip.methods.thoughts.pool import TokenPool
 from kvzip.methods.thoughts.rebuild import rebuild_rows
 from kvzip.methods.thoughts.segment import Row, Segmentation
@@ -90,11 +90,7 @@ class ThoughtLayer(DenseLayer):
         self.lengths = [0] * self.batch  # per row, its slots in use: the last ones of the buffer
         self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
         self.summary_all = [self.positions.new_zeros(0) for _ in range(self.batch)]  # per row, all of them at once
-        self.index = [[] for _ in range(self.batch)]  # per row, per thought: (Hkv, d) index key (zoom only), a view
-        # of the cache's index_rows
-        self.index_bytes = 0  # their bytes, kept as they are added: memory() runs after every forward
         self.detail = [[] for _ in range(self.batch)]  # per row, per thought: K and V parts off the device
-        self.stacked = None  # centred index keys (B, Hkv, T, d) and valid (B, T), built when first needed
         self.host_bytes = 0
         self.kernel_ok = None  # whether this layer's decode can run in the fused kernel (`_fused`), once known
         self.first = {}  # masked or not -> (B,) the first position a row's decode query sees, on this layer's device
@@ -135,7 +131,8 @@ class ThoughtLayer(DenseLayer):
 
     def memory(self) -> dict[str, int]:
         device = self.pool.nbytes() + tensor_bytes(self.slots, self.positions)
-        device += self.index_bytes + (tensor_bytes(*self.stacked) if self.stacked else 0)
+        if self.cache.index is not None:  # the index over finished thoughts is kept for all layers at once
+            device += self.cache.index.layer_bytes()
         return {"device": device, "host": self.host_bytes}
 
     def _slide(self):
@@ -234,8 +231,7 @@ class ThoughtCache(KVCache):
         self.overhead_s, self.steps, self.rebuilds = 0.0, 0, 0
         self.last_zoom: list[list[int]] = []
         self.queries: list = []  # (layer, its last query (B, Hq, d)) of the current forward, for cast_votes
-        self.index_rows: list[list[torch.Tensor]] = []  # per row, per thought: every layer's index key (L, Hkv, d)
-        self.index_keys = None  # every layer's stacked index keys (L, B, Hkv, T, d); layers hold views of it
+        self.index: ThoughtIndex | None = None  # every layer's index keys over the finished thoughts (zoom only)
 
     def reset(self):
         self._fresh()
@@ -268,7 +264,7 @@ class ThoughtCache(KVCache):
             self.next_voting = torch.zeros_like(self.voting)
             self.last_zoom = [[] for _ in range(batch)]
             self.zoomed = [set() for _ in range(batch)]
-            self.index_rows = [[] for _ in range(batch)]
+            self.index = None if self.config.zoom is None else ThoughtIndex(batch)
         elif q_len > 1:  # more input (a chat turn): the open thought ends, the new tokens are kept in full
             for b, row in enumerate(self.rows):
                 if row.take_input(past, q_len):
@@ -322,24 +318,19 @@ class ThoughtCache(KVCache):
         layer's RoPE (content against content); the votes land in the ballot."""
         queries, self.queries = self.queries, []
         layers = [layer for layer, _ in queries]
-        if self.index_keys is None:
-            stacked = stack_index(self.index_rows)
-            if stacked is None:  # no row has finished a thought yet
-                return
-            self.index_keys = stacked[0]  # (L, B, Hkv, T, d)
-            for layer in self.layers:
-                layer.stacked = (self.index_keys[layer.idx], stacked[1])  # a view: each layer's memory() counts its part
-        keys = self.index_keys
+        if self.index.width == 0:  # no row has finished a thought yet
+            return
+        keys, valid = self.index.keys(), self.index.valid()  # (L, B, Hkv, T, d), (B, T)
         if len(layers) < len(self.layers):
             keys = keys[[layer.idx for layer in layers]]
-        valid = torch.stack([layer.visible_thoughts(layer.stacked[1]) for layer in layers])  # (L, B, T)
+        valid = torch.stack([layer.visible_thoughts(valid) for layer in layers])  # (L, B, T)
         q = torch.stack([q.to(keys.device) for _, q in queries])  # (L, B, Hq, d), with the index (a split model)
         pos = layers[0].positions[:, -1]  # (B,) the newest token's position, the same in every layer
         content = torch.empty_like(q)
         for rope in {id(layer.rope): layer.rope for layer in layers}.values():
             at = [i for i, layer in enumerate(layers) if layer.rope is rope]
             content[at] = unrotate(q[at].transpose(1, 2), pos, rope).transpose(1, 2)  # (Lr, Hq, B, d) turned
-        top = head_votes(content, keys, valid, self.config.zoom.votes_per_head)  # (L, B, Hq, k)
+        top = head_votes(content.float(), keys, valid, self.config.zoom.votes_per_head)  # (L, B, Hq, k)
         hits = valid.gather(2, top.flatten(2)) & self.voting[None, :, None]  # only real thoughts, voting rows
         self.ballot.add(top.transpose(0, 1).flatten(1), hits.transpose(0, 1).flatten(1).float(),
                         max(len(r.thoughts) for r in self.rows))

@@ -11,7 +11,6 @@ import typing
 
 import torch
 
-from kvzip.methods.base import tensor_bytes
 from kvzip.methods.thoughts.detail import part_bytes, store_layers
 from kvzip.methods.thoughts.summary import pick_summary
 from kvzip.rope import unrotate, visible_from
@@ -38,12 +37,7 @@ def finalize(cache: "ThoughtCache", b: int, t: int) -> None:
         at = torch.tensor([layer.idx for layers in groups.values() for layer in layers], device=index[0].device)
         stacked = torch.cat([i.to(index[0].device) for i in index])  # a split model: the index lives with layer 0
         index = [torch.empty_like(stacked).index_copy_(0, at, stacked)]
-    cache.index_rows[b].append(index[0])
-    cache.index_keys = None
-    for layer in cache.layers:
-        layer.index[b].append(index[0][layer.idx])  # a view: each layer's memory() counts its part
-        layer.index_bytes += tensor_bytes(layer.index[b][-1])
-        layer.stacked = None
+    cache.index.add(b, index[0])
 
 
 def finalize_group(cache: "ThoughtCache", layers: list, b: int, t: int, first: int,

@@ -2,7 +2,7 @@
 
 A thought's index key, per layer and KV head, is the mean of its summary keys with RoPE undone (content space:
 post-RoPE keys favoured recent thoughts). Before scoring, the keys are centred over the row's thoughts and made unit
-length (`centre_index`). At a selection point every query head of every layer scores the index keys with its query
+length (`ThoughtIndex`). At a selection point every query head of every layer scores the index keys with its query
 (turned back the same way) and votes for its `votes_per_head` best thoughts; the `Ballot` sums the votes over heads
 and layers, carries earlier ones forward with weight `vote_decay`, and its `zoom_thoughts` most-voted thoughts are
 the zoom set, a thought already in it counting its tally `1 + zoom_margin` times (a challenger must beat it by that
@@ -26,33 +26,80 @@ def ranked(scores: torch.Tensor) -> torch.Tensor:
     return torch.sort(torch.round(scores / RANK_QUANTUM), dim=-1, descending=True, stable=True).indices
 
 
-def centre_index(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Index keys (..., B, Hkv, T, d) minus their mean over each row's real thoughts (valid (B, T)), then unit length.
+NORM_EPS = 1e-12  # as torch.nn.functional.normalize's: a key at the mean (a lone thought) centres to zero
 
-    What every thought's summary shares (the words of the task that recur in each note, the common direction of a
-    head's keys) scores the same for all thoughts and only decides which thought wins when the query is about
-    nothing in particular: the thought that stated those words first then collects the votes. Removing the mean
-    leaves what tells thoughts apart; unit length stops a long key from winning on its norm alone.
+
+class ThoughtIndex:
+    """Every layer's index keys over every row's finished thoughts, centred and made unit length as the votes read
+    them: `keys()` (L, B, Hkv, T, d), rows padded to the most thoughts, `valid()` (B, T).
+
+    Centring subtracts the mean over each row's real thoughts; unit length stops a long key from winning on its norm
+    alone. What every thought's summary shares (the words of the task that recur in each note, the common direction of
+    a head's keys) scores the same for all thoughts and only decides which thought wins when the query is about
+    nothing in particular: the thought that stated those words first then collects the votes. Removing the mean leaves
+    what tells thoughts apart.
+
+    A row's next thought moves its mean, so the raw keys must stay recoverable: the index keeps each row's mean
+    (L, B, Hkv, d) and each key's centred length (L, B, Hkv, T) beside the unit keys, and `raw` undoes both. One
+    copy of the keys on the device, not a raw list and a centred stack (6 MB of 432 at the capacity workload's 12
+    zoomr rows). Every update touches its own row only, so a row scores the same in a batch as alone.
     """
-    w = valid[:, None, :, None].to(keys.dtype)  # (B, 1, T, 1)
-    mean = (keys * w).sum(-2, keepdim=True) / w.sum(-2, keepdim=True).clamp(min=1)
-    return torch.nn.functional.normalize((keys - mean) * w, dim=-1)
 
+    GROW = 8  # thoughts of room at least per growth (or a quarter more)
 
-def stack_index(rows: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per row, per thought index keys of every layer (L, Hkv, d) -> centred keys (L, B, Hkv, T, d) and valid (B, T),
-    rows padded to the most thoughts; None while no row has a thought."""
-    n = max(len(ix) for ix in rows)
-    if n == 0:
-        return None
-    like = next(x for ix in rows for x in ix)
-    keys = like.new_zeros(like.shape[0], len(rows), like.shape[1], n, like.shape[2])
-    valid = torch.zeros(len(rows), n, dtype=torch.bool, device=like.device)
-    for b, ix in enumerate(rows):
-        if ix:  # one write per row, not per thought
-            keys[:, b, :, : len(ix)] = torch.stack(ix, 2)
-            valid[b, : len(ix)] = True
-    return centre_index(keys, valid), valid
+    def __init__(self, batch: int):
+        self.count = [0] * batch  # per row, its finished thoughts
+        self.unit = self.mean = self.norm = None  # (L, B, Hkv, room, d), (L, B, Hkv, d), (L, B, Hkv, room)
+
+    @property
+    def width(self) -> int:
+        return max(self.count)
+
+    def add(self, b: int, key: torch.Tensor) -> None:
+        """Row b's next thought's index key of every layer (L, Hkv, d); the row's keys are centred again."""
+        n, key = self.count[b], key.float()  # fp32 whatever the model's dtype: `raw` round trips once per thought
+        if self.unit is None or n == self.unit.shape[3]:
+            self._grow(key, n)
+        raw = torch.cat([self.raw(b), key[:, :, None]], 2)  # (L, Hkv, n + 1, d)
+        mean = raw.mean(2, keepdim=True)
+        norm = torch.linalg.vector_norm(raw - mean, dim=-1)  # (L, Hkv, n + 1)
+        self.unit[:, b, :, : n + 1] = (raw - mean) / norm.clamp(min=NORM_EPS)[..., None]
+        self.norm[:, b, :, : n + 1], self.mean[:, b] = norm, mean[:, :, 0]
+        self.count[b] = n + 1
+
+    def raw(self, b: int) -> torch.Tensor:
+        """Row b's index keys as `add` received them (L, Hkv, n, d), to float rounding."""
+        n = self.count[b]
+        if self.unit is None:
+            return torch.zeros(0)
+        return self.unit[:, b, :, :n] * self.norm[:, b, :, :n, None].clamp(min=NORM_EPS) + self.mean[:, b, :, None]
+
+    def keys(self) -> torch.Tensor:
+        """The centred unit keys (L, B, Hkv, T, d), T the most thoughts of any row (a view)."""
+        return self.unit[:, :, :, : self.width]
+
+    def valid(self) -> torch.Tensor:
+        """(B, T): which of `keys()` are real thoughts."""
+        count = torch.tensor(self.count, device=self.unit.device)
+        return torch.arange(self.width, device=count.device) < count[:, None]
+
+    def layer_bytes(self) -> int:
+        """One layer's share of the index: its keys, lengths and means for the thoughts held (not the spare room)."""
+        if self.unit is None:
+            return 0
+        _, b, h, _, d = self.unit.shape
+        return (b * h * self.width * (d + 1) + b * h * d) * self.unit.element_size() + b * self.width
+
+    def _grow(self, like: torch.Tensor, n: int) -> None:
+        layers, heads, d = like.shape
+        room = n + max(self.GROW, n // 4)
+        old = (self.unit, self.norm)
+        self.unit = like.new_zeros(layers, len(self.count), heads, room, d)
+        self.norm = like.new_zeros(layers, len(self.count), heads, room)
+        if old[0] is None:
+            self.mean = like.new_zeros(layers, len(self.count), heads, d)
+        else:
+            self.unit[:, :, :, :n], self.norm[:, :, :, :n] = old[0], old[1]
 
 
 def head_votes(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, per_head: int) -> torch.Tensor:
