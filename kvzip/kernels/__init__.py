@@ -8,7 +8,8 @@ those in one pass per row (or chunk of a row) or per vector, registered as `torc
   dense tier, pre-RoPE keys rebuilt and turned a tile at a time, values in atom space; a row's coded tokens split
   into chunks, merged by their largest scores, when there are fewer rows than twice the threads.
 - `screen_pursue` (screen_coder.cpp): the screening coder's pursuit on each vector's candidate pool, with an explicit
-  residual, one vector per pass (the correlations with every atom stay one batched product in PyTorch).
+  residual, one vector per pass (the correlations with every atom stay one batched product in PyTorch);
+  `screen_two_shots` both shots in one pass, the second shot's correlations from the first atoms' Gram rows.
 - `pooled_decode_attention` (pooled_attention.cpp): one new token's attention over a thought cache's rows, each a list
   of slots in a token pool the batch shares (zoomr and sumr hold no padding for the batch's widest row).
 
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 SOURCES = ("coded_attention.cpp", "screen_coder.cpp", "pooled_attention.cpp")
-OPS = ("coded_decode_attention", "screen_pursue", "pooled_decode_attention")
+OPS = ("coded_decode_attention", "screen_pursue", "screen_two_shots", "pooled_decode_attention")
 # at::parallel_for is inline code in torch's OpenMP builds: compiled without -fopenmp its `omp parallel` is dropped and
 # a kernel runs on one thread (coded attention at batch 8 x 1,024 on two cores: 2.2 against 1.2 ms a layer). The
 # runtime it links is the libgomp.so.1 torch has already loaded (the same soname), so the two share one thread pool.

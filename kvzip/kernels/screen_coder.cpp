@@ -61,16 +61,24 @@ inline int32_t low_bits(int64_t columns) {  // (1 << bit_length(columns - 1)) - 
   return (1 << std::max(n, 1)) - 1;
 }
 
+// What every vector's pursuit reads: the vectors (M, d), group-major with `per` of each group, and the atoms.
 struct Pursuit {
-  int64_t d, ntot, per, k0, pool, steps;
+  int64_t d, ntot, per;
   bool top;
   const float* x;
-  const void* corr;  // (M, Ntot) float32 or bfloat16
   const float *shared, *extra;
   const int64_t* offsets;
+};
+
+// One shot on one vector: its correlations c (Ntot), the atoms already chosen (k0 of them), the pool to screen, the
+// atoms in the code when done, and where the atom numbers, coefficients and residual go.
+template <typename corr_t>
+struct Shot {
+  const corr_t* c;
   const int64_t* chosen;
-  int64_t *idx_out;
-  float *coef_out, *res_out;
+  int64_t k0, pool, steps;
+  int64_t* idx;
+  float *coef, *r;
 };
 
 // Per-thread room: the pool's atom numbers, their correlations, the pool's atom vectors copied side by side (read at
@@ -91,22 +99,22 @@ inline int32_t corr_bits(at::BFloat16 c) { return static_cast<int32_t>(c.x) << 1
 // One vector. NV: vectors of kLanes channels per atom when known at compile time (d = 64: 64 / kLanes), else 0
 // (then d / kLanes).
 template <int64_t NV, typename corr_t>
-void pursue_one(const Pursuit& p, int64_t v, Room& room) {
-  const int64_t d = p.d, s = p.steps, nv = NV ? NV : d / kLanes;
+void pursue_one(const Pursuit& p, int64_t v, const Shot<corr_t>& shot, Room& room) {
+  const int64_t d = p.d, s = shot.steps, nv = NV ? NV : d / kLanes;
   const float* x = p.x + v * d;
-  const corr_t* c = static_cast<const corr_t*>(p.corr) + v * p.ntot;
+  const corr_t* c = shot.c;
   const int64_t* offsets = p.offsets + (v / p.per) * p.ntot;
   auto atom = [&](int64_t a) {
     const int64_t o = offsets[a];
     return o >= 0 ? p.shared + o : p.extra + (-1 - o) * d;
   };
-  int64_t* idx = p.idx_out + v * s;
-  float* coef = p.coef_out + v * s;
-  float* r = p.res_out + v * d;
+  int64_t* idx = shot.idx;
+  float* coef = shot.coef;
+  float* r = shot.r;
   int64_t* pool = room.pool.data();
 
   // the candidate pool, screened from the correlations
-  const int64_t n = std::min(p.pool, p.ntot);
+  const int64_t n = std::min(shot.pool, p.ntot);
   if (!p.top && p.ntot % n == 0 && p.ntot / n >= 2) {  // screen.champions
     const int32_t low = low_bits(p.ntot);
     const int64_t width = p.ntot / n;
@@ -170,7 +178,7 @@ void pursue_one(const Pursuit& p, int64_t v, Room& room) {
       if (live[i] && a[i] != 0.f)
         for (int64_t e = 0; e < nv; ++e) res[e] -= a[i] * load(chosen + i * d + e * kLanes);
   };
-  for (int64_t i = 0; i < p.k0; ++i) add(p.chosen[v * p.k0 + i], atom(p.chosen[v * p.k0 + i]));
+  for (int64_t i = 0; i < shot.k0; ++i) add(shot.chosen[i], atom(shot.chosen[i]));
 
   // the pursuit on the pool: correlations with the residual, the largest (packed as screen's pursuit does) wins
   float* pc = room.pc.data();
@@ -211,13 +219,13 @@ void pursue_one(const Pursuit& p, int64_t v, Room& room) {
   for (int64_t i = 0; i < s; ++i) coef[i] = live[i] ? a[i] : 0.f;
 }
 
-std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& corr, const Tensor& shared,
-                                                 const Tensor& extra, const Tensor& offsets, int64_t per,
-                                                 const Tensor& chosen, int64_t pool, int64_t steps, bool top) {
-  TORCH_CHECK(x.device().is_cpu(), "screen_pursue runs on the CPU");
+// What both ops read: vectors, their correlations, the atoms and where each group finds them.
+void check_inputs(const Tensor& x, const Tensor& corr, const Tensor& shared, const Tensor& extra,
+                  const Tensor& offsets, int64_t per) {
+  TORCH_CHECK(x.device().is_cpu(), "the screening kernels run on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (M, d) float32");
   const int64_t M = x.size(0), d = x.size(1);
-  TORCH_CHECK(d % kLanes == 0 && d <= kMaxHead, "screen_pursue: vectors of up to ", kMaxHead, " channels in multiples of ",
+  TORCH_CHECK(d % kLanes == 0 && d <= kMaxHead, "screen kernels: vectors of up to ", kMaxHead, " channels in multiples of ",
               kLanes);
   const bool half = corr.scalar_type() == at::kBFloat16;
   TORCH_CHECK(corr.dim() == 2 && corr.size(0) == M && (half || corr.scalar_type() == at::kFloat) &&
@@ -232,6 +240,14 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
                   offsets.is_contiguous(),
               "offsets must be (groups, Ntot) int64");
   TORCH_CHECK(per >= 1 && M == offsets.size(0) * per, "x holds `per` vectors of each group, group-major");
+}
+
+std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& corr, const Tensor& shared,
+                                                 const Tensor& extra, const Tensor& offsets, int64_t per,
+                                                 const Tensor& chosen, int64_t pool, int64_t steps, bool top) {
+  check_inputs(x, corr, shared, extra, offsets, per);
+  const int64_t M = x.size(0), d = x.size(1), ntot = corr.size(1);
+  const bool half = corr.scalar_type() == at::kBFloat16;
   TORCH_CHECK(chosen.dim() == 2 && chosen.size(0) == M && chosen.scalar_type() == at::kLong && chosen.is_contiguous(),
               "chosen must be (M, k0) int64");
   const int64_t k0 = chosen.size(1);
@@ -240,18 +256,105 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
   auto idx = at::empty({M, steps}, x.options().dtype(at::kLong));
   auto coef = at::empty({M, steps}, x.options());
   auto res = at::empty({M, d}, x.options());
-  Pursuit p{d, ntot, per, k0, pool, steps, top, x.data_ptr<float>(), corr.data_ptr(), shared.data_ptr<float>(),
-            extra.data_ptr<float>(), offsets.data_ptr<int64_t>(), chosen.data_ptr<int64_t>(), idx.data_ptr<int64_t>(),
-            coef.data_ptr<float>(), res.data_ptr<float>()};
+  Pursuit p{d, ntot, per, top, x.data_ptr<float>(), shared.data_ptr<float>(), extra.data_ptr<float>(),
+            offsets.data_ptr<int64_t>()};
+  int64_t* idx_out = idx.data_ptr<int64_t>();
+  float *coef_out = coef.data_ptr<float>(), *res_out = res.data_ptr<float>();
+  const int64_t* chosen_all = chosen.data_ptr<int64_t>();
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     const int64_t n = std::min(pool, ntot);
     Room room{std::vector<int64_t>(n), std::vector<float>(n), std::vector<float>(n * d), std::vector<float>(steps * d),
               std::vector<int32_t>(ntot), std::vector<char>(n)};
     for (int64_t v = begin; v < end; ++v) {
-      if (half)
-        d == 64 ? pursue_one<64 / kLanes, at::BFloat16>(p, v, room) : pursue_one<0, at::BFloat16>(p, v, room);
-      else
-        d == 64 ? pursue_one<64 / kLanes, float>(p, v, room) : pursue_one<0, float>(p, v, room);
+      const int64_t* chosen = chosen_all + v * k0;
+      if (half) {
+        Shot<at::BFloat16> shot{corr.data_ptr<at::BFloat16>() + v * ntot, chosen, k0, pool, steps,
+                                idx_out + v * steps, coef_out + v * steps, res_out + v * d};
+        d == 64 ? pursue_one<64 / kLanes>(p, v, shot, room) : pursue_one<0>(p, v, shot, room);
+      } else {
+        Shot<float> shot{corr.data_ptr<float>() + v * ntot, chosen, k0, pool, steps, idx_out + v * steps,
+                         coef_out + v * steps, res_out + v * d};
+        d == 64 ? pursue_one<64 / kLanes>(p, v, shot, room) : pursue_one<0>(p, v, shot, room);
+      }
+    }
+  });
+  return {idx, coef, res};
+}
+
+// `screen_two_shots(x, corr, shared, extra, offsets, grams, gram_at, per, pool, pool2, steps, top)`: both shots of
+// screen.screen(shots=2) in one pass per vector. The first shot pursues steps / 2 atoms on a pool of `pool` from
+// corr (M, Ntot) float32, the vectors' correlations with every atom. The second shot's correlations are the
+// residual's, D r = D x - sum_i a_i D d_i: corr less the first atoms' Gram rows (grams, flat; group g's N x N block
+// starts at gram_at[g]) weighted by their coefficients, k0 N multiply-adds instead of a product with all N d entries
+// of the dictionary. Only the atoms a group shares have Gram rows: a column whose atom is the row's own (an overlay,
+// offsets < 0) is a dot product with the residual, and so is every column when a first atom is the row's own. The
+// residual's correlations stay in the thread's room (never written to memory), the first atoms are zeroed there
+// (they are orthogonal to the residual), and the second shot pursues on a pool of `pool2` from them.
+std::tuple<Tensor, Tensor, Tensor> screen_two_shots(const Tensor& x, const Tensor& corr, const Tensor& shared,
+                                                    const Tensor& extra, const Tensor& offsets, const Tensor& grams,
+                                                    const Tensor& gram_at, int64_t per, int64_t pool, int64_t pool2,
+                                                    int64_t steps, bool top) {
+  TORCH_CHECK(corr.scalar_type() == at::kFloat, "screen_two_shots reads float32 correlations");
+  TORCH_CHECK(steps >= 2, "screen_two_shots: two shots need two steps at least");
+  TORCH_CHECK(shared.dim() >= 2 && grams.dim() == 1 && grams.scalar_type() == at::kFloat && grams.is_contiguous(),
+              "shared atoms must be (N, d) or (L, N, d) and grams flat float32");
+  TORCH_CHECK(gram_at.dim() == 1 && gram_at.scalar_type() == at::kLong && gram_at.size(0) == offsets.size(0) &&
+                  gram_at.is_contiguous(),
+              "gram_at must be (groups,) int64");
+  const int64_t M = x.size(0), d = x.size(1), ntot = corr.size(1), N = shared.size(-2), k = steps / 2;
+  check_inputs(x, corr, shared, extra, offsets, per);
+  TORCH_CHECK(steps <= kMaxSparsity && pool >= 1 && std::min(pool, ntot) >= k && k + std::min(pool2, ntot) >= steps,
+              "screen_two_shots: steps <= ", kMaxSparsity, ", and each pool must hold its shot's steps");
+  TORCH_CHECK(N <= ntot && grams.numel() >= N * N, "screen_two_shots: grams must hold N x N blocks");
+  auto idx = at::empty({M, steps}, x.options().dtype(at::kLong));
+  auto coef = at::empty({M, steps}, x.options());
+  auto res = at::empty({M, d}, x.options());
+  Pursuit p{d, ntot, per, top, x.data_ptr<float>(), shared.data_ptr<float>(), extra.data_ptr<float>(),
+            offsets.data_ptr<int64_t>()};
+  int64_t* idx_out = idx.data_ptr<int64_t>();
+  float *coef_out = coef.data_ptr<float>(), *res_out = res.data_ptr<float>();
+  const float* G = grams.data_ptr<float>();
+  const int64_t* at_g = gram_at.data_ptr<int64_t>();
+  const float* c0_all = corr.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    const int64_t n = std::max(std::min(pool, ntot), std::min(pool2, ntot));
+    Room room{std::vector<int64_t>(n), std::vector<float>(n), std::vector<float>(n * d), std::vector<float>(steps * d),
+              std::vector<int32_t>(ntot), std::vector<char>(n)};
+    std::vector<int64_t> first(k), own;
+    std::vector<float> a(k), r(d), c1(ntot);
+    int64_t own_group = -1;
+    for (int64_t v = begin; v < end; ++v) {
+      const int64_t g = v / per;
+      const int64_t* off = p.offsets + g * ntot;
+      auto atom = [&](int64_t j) { return off[j] >= 0 ? p.shared + off[j] : p.extra + (-1 - off[j]) * d; };
+      if (g != own_group) {  // the group's own columns, found once per group (its vectors are consecutive)
+        own.clear();
+        for (int64_t j = 0; j < ntot; ++j)
+          if (off[j] < 0) own.push_back(j);
+        own_group = g;
+      }
+      const float* c0 = c0_all + v * ntot;
+      Shot<float> one{c0, nullptr, 0, pool, k, first.data(), a.data(), r.data()};
+      d == 64 ? pursue_one<64 / kLanes>(p, v, one, room) : pursue_one<0>(p, v, one, room);
+      bool shared_first = true;
+      for (int64_t i = 0; i < k; ++i) shared_first &= first[i] < N && off[first[i]] >= 0;
+      float* c = c1.data();
+      if (shared_first) {
+        std::memcpy(c, c0, N * sizeof(float));
+        for (int64_t i = 0; i < k; ++i) {
+          if (a[i] == 0.f) continue;
+          const float* row = G + at_g[g] + first[i] * N;
+          const float ai = a[i];
+#pragma omp simd
+          for (int64_t j = 0; j < N; ++j) c[j] -= ai * row[j];
+        }
+        for (int64_t j : own) c[j] = dot_rows(r.data(), atom(j), d / kLanes);
+      } else {
+        for (int64_t j = 0; j < ntot; ++j) c[j] = dot_rows(r.data(), atom(j), d / kLanes);
+      }
+      for (int64_t i = 0; i < k; ++i) c[first[i]] = 0.f;
+      Shot<float> two{c, first.data(), k, pool2, steps, idx_out + v * steps, coef_out + v * steps, res_out + v * d};
+      d == 64 ? pursue_one<64 / kLanes>(p, v, two, room) : pursue_one<0>(p, v, two, room);
     }
   });
   return {idx, coef, res};
@@ -263,4 +366,7 @@ TORCH_LIBRARY_FRAGMENT(kvzip, m) {
   m.def("screen_pursue(Tensor x, Tensor corr, Tensor shared, Tensor extra, Tensor offsets, int per, Tensor chosen, "
         "int pool, int steps, bool top) -> (Tensor, Tensor, Tensor)");
   m.impl("screen_pursue", c10::DispatchKey::CPU, TORCH_FN(screen_pursue));
+  m.def("screen_two_shots(Tensor x, Tensor corr, Tensor shared, Tensor extra, Tensor offsets, Tensor grams, "
+        "Tensor gram_at, int per, int pool, int pool2, int steps, bool top) -> (Tensor, Tensor, Tensor)");
+  m.impl("screen_two_shots", c10::DispatchKey::CPU, TORCH_FN(screen_two_shots));
 }

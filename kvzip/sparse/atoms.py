@@ -43,6 +43,10 @@ class Shared:
         """Codes idx, coef (M, s) -> vectors (M, d)."""
         return reconstruct(self.atoms, idx, coef)
 
+    def gram_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Gram matrix as the fused two-shot kernel reads it: flat, and where the one group's block starts."""
+        return self.gram.reshape(-1).contiguous(), torch.zeros(1, dtype=torch.long, device=self.gram.device)
+
     def pool(self, pool: torch.Tensor | None, m: int) -> "PoolGram":
         """The Gram entries a pursuit needs on candidate pools (M, P) of atom numbers, or on every atom (None) for
         M = m vectors."""
@@ -140,6 +144,11 @@ class Grouped:
 
     def reconstruct(self, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
         return reconstruct(self.table, self._rows(idx), coef)
+
+    def gram_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared Gram matrices as the fused two-shot kernel reads them: flat, and where each group's N x N
+        block starts (G,)."""
+        return self.grams, self.gram_at
 
     def norms(self) -> torch.Tensor:
         """Squared norms of the table's rows (1 for atoms, 0 for the zero row), computed once."""
