@@ -135,6 +135,10 @@ void pursue_one(const Pursuit& p, int64_t v, const Shot<corr_t>& shot, Room& roo
                       [&](int32_t a, int32_t b) { return std::fabs(corr_value(c[a])) > std::fabs(corr_value(c[b])); });
     for (int64_t i = 0; i < n; ++i) pool[i] = room.order[i];
   }
+  // the pool's atoms are scattered rows of the dictionary, mostly not in L1: ask for all of them before the first
+  // copy waits on one (measured: the copies were most of a shot's fixed cost)
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t e = 0; e < d; e += 16) __builtin_prefetch(atom(pool[i]) + e);
   float* pool_atoms = room.atoms.data();  // (n, d)
   for (int64_t i = 0; i < n; ++i) std::memcpy(pool_atoms + i * d, atom(pool[i]), d * sizeof(float));
 
