@@ -6,8 +6,10 @@ whether device and host together stay below a full cache:
 - `int8` (default): int8 with one fp16 scale per vector, 66 B per vector at head_dim 64 (256 B in fp32, 128 B in
   bf16); a zoomed thought comes back with int8 rounding;
 - `host`: dense copies in the compute dtype (the paper's setting), exact on zoom-in;
-- `fadkv`: OMP codes over the layer's post-RoPE dictionary at the sparsity it was trained for (int16 indices, fp16
-  coefficients, 32 B per vector at s = 8), with coding error on zoom-in.
+- `fadkv`: codes over the layer's post-RoPE dictionary at the sparsity it was trained for, by FAD-KV's screening
+  coder (kvzip.sparse.screen, fused on a CPU), int16 indices and fp16 coefficients (32 B per vector at s = 8), with
+  coding error on zoom-in. (OMP over every atom, Lexico's coder, cost each row ~40% of its decode speed at the
+  capacity workload for a few percent less error.)
 A stored thought is a pair of parts (K, V), each a tuple of host tensors.
 """
 
@@ -17,7 +19,9 @@ import torch
 
 from kvzip.methods.base import tensor_bytes
 from kvzip.sparse.attention import dequantize, quantize
-from kvzip.sparse.omp import omp, reconstruct
+from kvzip import kernels
+from kvzip.sparse.omp import reconstruct
+from kvzip.sparse.screen import screen
 
 DETAILS = ("int8", "host", "fadkv")
 
@@ -88,7 +92,7 @@ class Int8Detail(DenseDetail):
 
 
 class CodedDetail(DenseDetail):
-    """detail=fadkv: OMP codes over one layer's post-RoPE dictionary (kvzip.sparse.dictionary.LayerAtoms)."""
+    """detail=fadkv: screening codes over one layer's post-RoPE dictionary (kvzip.sparse.dictionary.LayerAtoms)."""
 
     def __init__(self, atoms, sparsity: int, kv_heads: int):
         self.atoms, self.sparsity, self.kv_heads = atoms, sparsity, kv_heads
@@ -98,7 +102,8 @@ class CodedDetail(DenseDetail):
         out = []
         for x, atoms, gram in ((k if a.key_mean is None else k - a.key_mean[:, None], a.keys, a.key_gram),
                                (v, a.values, a.value_gram)):
-            idx, coef = omp(x.float().reshape(-1, x.shape[-1]), atoms, self.sparsity, gram=gram)
+            fused = x.device.type == "cpu" and kernels.available()
+            idx, coef = screen(x.float().reshape(-1, x.shape[-1]), atoms, self.sparsity, gram=gram, fused=fused)
             out.append((offload(idx.to(torch.int16)), offload(coef.half())))
         return tuple(out)
 
