@@ -246,6 +246,27 @@ void check_inputs(const Tensor& x, const Tensor& corr, const Tensor& shared, con
   TORCH_CHECK(per >= 1 && M == offsets.size(0) * per, "x holds `per` vectors of each group, group-major");
 }
 
+// One pursuit's inputs, as every vector's reads them.
+Pursuit pursuit(const Tensor& x, const Tensor& corr, const Tensor& shared, const Tensor& extra,
+                const Tensor& offsets, int64_t per, bool top) {
+  return {x.size(1), corr.size(1), per, top, x.data_ptr<float>(), shared.data_ptr<float>(), extra.data_ptr<float>(),
+          offsets.data_ptr<int64_t>()};
+}
+
+// The codes of M vectors x (M, d): atom numbers and coefficients (M, steps), residuals (M, d), and where each starts.
+struct Codes {
+  Tensor idx, coef, res;
+  int64_t* idx_out;
+  float *coef_out, *res_out;
+  Codes(const Tensor& x, int64_t steps)
+      : idx(at::empty({x.size(0), steps}, x.options().dtype(at::kLong))),
+        coef(at::empty({x.size(0), steps}, x.options())),
+        res(at::empty_like(x)),
+        idx_out(idx.data_ptr<int64_t>()),
+        coef_out(coef.data_ptr<float>()),
+        res_out(res.data_ptr<float>()) {}
+};
+
 std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& corr, const Tensor& shared,
                                                  const Tensor& extra, const Tensor& offsets, int64_t per,
                                                  const Tensor& chosen, int64_t pool, int64_t steps, bool top) {
@@ -257,13 +278,10 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
   const int64_t k0 = chosen.size(1);
   TORCH_CHECK(steps >= 1 && steps <= kMaxSparsity && k0 <= steps && pool >= 1 && k0 + std::min(pool, ntot) >= steps,
               "screen_pursue: 1 <= steps <= ", kMaxSparsity, ", and the pool must hold the steps after the chosen");
-  auto idx = at::empty({M, steps}, x.options().dtype(at::kLong));
-  auto coef = at::empty({M, steps}, x.options());
-  auto res = at::empty({M, d}, x.options());
-  Pursuit p{d, ntot, per, top, x.data_ptr<float>(), shared.data_ptr<float>(), extra.data_ptr<float>(),
-            offsets.data_ptr<int64_t>()};
-  int64_t* idx_out = idx.data_ptr<int64_t>();
-  float *coef_out = coef.data_ptr<float>(), *res_out = res.data_ptr<float>();
+  const Pursuit p = pursuit(x, corr, shared, extra, offsets, per, top);
+  Codes out(x, steps);
+  int64_t* idx_out = out.idx_out;
+  float *coef_out = out.coef_out, *res_out = out.res_out;
   const int64_t* chosen_all = chosen.data_ptr<int64_t>();
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     const int64_t n = std::min(pool, ntot);
@@ -282,7 +300,7 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
       }
     }
   });
-  return {idx, coef, res};
+  return {out.idx, out.coef, out.res};
 }
 
 // `screen_two_shots(x, corr, shared, extra, offsets, grams, gram_at, per, pool, pool2, steps, top)`: both shots of
@@ -305,18 +323,15 @@ std::tuple<Tensor, Tensor, Tensor> screen_two_shots(const Tensor& x, const Tenso
   TORCH_CHECK(gram_at.dim() == 1 && gram_at.scalar_type() == at::kLong && gram_at.size(0) == offsets.size(0) &&
                   gram_at.is_contiguous(),
               "gram_at must be (groups,) int64");
-  const int64_t M = x.size(0), d = x.size(1), ntot = corr.size(1), N = shared.size(-2), k = steps / 2;
   check_inputs(x, corr, shared, extra, offsets, per);
+  const int64_t M = x.size(0), d = x.size(1), ntot = corr.size(1), N = shared.size(-2), k = steps / 2;
   TORCH_CHECK(steps <= kMaxSparsity && pool >= 1 && std::min(pool, ntot) >= k && k + std::min(pool2, ntot) >= steps,
               "screen_two_shots: steps <= ", kMaxSparsity, ", and each pool must hold its shot's steps");
   TORCH_CHECK(N <= ntot && grams.numel() >= N * N, "screen_two_shots: grams must hold N x N blocks");
-  auto idx = at::empty({M, steps}, x.options().dtype(at::kLong));
-  auto coef = at::empty({M, steps}, x.options());
-  auto res = at::empty({M, d}, x.options());
-  Pursuit p{d, ntot, per, top, x.data_ptr<float>(), shared.data_ptr<float>(), extra.data_ptr<float>(),
-            offsets.data_ptr<int64_t>()};
-  int64_t* idx_out = idx.data_ptr<int64_t>();
-  float *coef_out = coef.data_ptr<float>(), *res_out = res.data_ptr<float>();
+  const Pursuit p = pursuit(x, corr, shared, extra, offsets, per, top);
+  Codes out(x, steps);
+  int64_t* idx_out = out.idx_out;
+  float *coef_out = out.coef_out, *res_out = out.res_out;
   const float* G = grams.data_ptr<float>();
   const int64_t* at_g = gram_at.data_ptr<int64_t>();
   const float* c0_all = corr.data_ptr<float>();
@@ -361,7 +376,7 @@ std::tuple<Tensor, Tensor, Tensor> screen_two_shots(const Tensor& x, const Tenso
       d == 64 ? pursue_one<64 / kLanes>(p, v, two, room) : pursue_one<0>(p, v, two, room);
     }
   });
-  return {idx, coef, res};
+  return {out.idx, out.coef, out.res};
 }
 
 }  // namespace
