@@ -386,3 +386,55 @@ def test_bfloat16_model_screens_in_bfloat16_and_omp_stays_fp32(tiny, tokenizer, 
     prompts = [tokenizer("x" * n)["input_ids"] for n in (5, 11)]
     list(engine.generate(model, tokenizer, prompts, cache, engine.Settings(max_new_tokens=24, ignore_eos=True)))
     assert seen and set(seen) == {low}
+
+
+@pytest.mark.parametrize("adapt", ["fixed", "append"])
+def test_bookkeeping_shared_across_kinds_and_layers_changes_no_code(tiny, tokenizer, tiny_dictionaries, monkeypatch,
+                                                                     adapt):
+    """Atom counts kept as rows of one tensor per cache and counted in one scatter (`coding.share_atom_use`,
+    `coding.count`), and one plan for layers whose tokens sit alike (`compress.same_tokens`): the same tokens,
+    codes and counts as each kind counted and each layer planned by itself; every atom's count is the number of live
+    codes that use it."""
+    from kvzip.methods.coded import coding, compress as compress_module
+
+    opts = {**SMALL, "adapt_threshold": "0.2", "adapt": adapt}
+    prompts = [tokenizer("x" * n)["input_ids"] for n in (3, 12)]
+
+    def run():
+        cache = get_method("fadkv", opts).make_cache(tiny, tiny_dictionaries)
+        out = [e.token_ids for e in engine.generate(tiny, tokenizer, prompts, cache,
+                                                    engine.Settings(max_new_tokens=40, ignore_eos=True))
+               if isinstance(e, engine.Result)]
+        return out, cache
+
+    shared_out, shared = run()
+    assert coding.stacked([k.refcount for lay in shared.layers for k in lay.kinds]) is not None or adapt == "append"
+    monkeypatch.setattr(coding, "share_atom_use", lambda kinds: None)
+    monkeypatch.setattr(compress_module, "share_atom_use", lambda kinds: None)
+    monkeypatch.setattr(compress_module, "same_tokens", lambda a, b: False)
+    apart_out, apart = run()
+    assert shared_out == apart_out
+    for a, b in zip(shared.layers, apart.layers):
+        for ka, kb in zip(a.kinds, b.kinds):
+            assert torch.equal(ka.codes.idx, kb.codes.idx) and torch.equal(ka.codes.stored, kb.codes.stored)
+            assert torch.equal(ka.refcount, kb.refcount) and torch.equal(ka.last_used, kb.last_used)
+            for row in range(a.batch):
+                live = ka.codes.idx[row][:, a.coded_pos[row] >= 0].reshape(-1).long()
+                assert torch.equal(torch.bincount(live, minlength=ka.refcount.shape[1]), ka.refcount[row])
+    assert shared.coding.replaced == apart.coding.replaced > 0
+
+
+def test_atoms_replaced_first_are_the_least_recently_used_of_the_unused():
+    """`least_recent_unused` picks what a stable sort of the unused atoms by last use would put first (ties: the
+    lower atom number), and marks an atom in use as not free."""
+    from kvzip.methods.coded.coding import least_recent_unused
+
+    g = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 3, (50, 64), generator=g)
+    counts[0] = 1  # a group with every atom in use
+    last = torch.randint(-1, 5, (50, 64), generator=g)  # many ties
+    atoms, free = least_recent_unused(counts, last, 6)
+    order = torch.where(counts == 0, last, torch.iinfo(torch.long).max).sort(dim=1, stable=True)
+    want_free = order.values[:, :6] < torch.iinfo(torch.long).max
+    assert torch.equal(free, want_free) and not bool(free[0].any())
+    assert torch.equal(atoms[free], order.indices[:, :6][free])

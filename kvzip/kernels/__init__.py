@@ -9,7 +9,8 @@ those in one pass per row (or chunk of a row) or per vector, registered as `torc
   into chunks, merged by their largest scores, when there are fewer rows than twice the threads.
 - `screen_pursue` (screen_coder.cpp): the screening coder's pursuit on each vector's candidate pool, with an explicit
   residual, one vector per pass (the correlations with every atom stay one batched product in PyTorch);
-  `screen_two_shots` both shots in one pass, the second shot's correlations from the first atoms' Gram rows.
+  `screen_two_shots` both shots in one pass per block of a group's vectors, the correlations with every atom
+  included (fp32), the second shot's from the first atoms' Gram rows.
 - `pooled_decode_attention` (pooled_attention.cpp): one new token's attention over a thought cache's rows, each a list
   of slots in a token pool the batch shares (zoomr and sumr hold no padding for the batch's widest row).
 

@@ -1,8 +1,9 @@
 // FAD-KV's screening coder, the pursuit part, fused: one pass per vector over its candidate pool.
 //
 // kvzip.sparse.screen codes a vector x with s atoms in one or two shots. Each shot screens a candidate pool out of
-// the correlations of the current residual with every atom (given here, `corr`: one batched matrix product in
-// PyTorch, the only O(N d) work), then runs orthogonal matching pursuit on the pool only. The PyTorch reference runs
+// the correlations of the current residual with every atom (the only O(N d) work: given to `screen_pursue` as one
+// batched matrix product made in PyTorch; computed by `screen_two_shots` itself, a block of vectors at a time), then
+// runs orthogonal matching pursuit on the pool only. The PyTorch reference runs
 // the pursuit in the correlation domain over a batch of vectors, a few dozen tensor ops per step; here each vector
 // runs it alone with an explicit residual: a step picks the pool atom most correlated with the residual, adds it to
 // the Cholesky factor of the chosen atoms' Gram matrix, solves the least squares for all chosen atoms and forms the
@@ -19,7 +20,8 @@
 //   atom numbers (M, steps) int64, their least-squares coefficients (M, steps) fp32 (0 for an atom linearly
 //   dependent on the ones before it) and the residual (M, d).
 //
-// Registered as torch.ops.kvzip.screen_pursue; tests/test_kernels.py holds it to kvzip.sparse.screen.screen.
+// Registered as torch.ops.kvzip.screen_pursue (and screen_two_shots, below); tests/test_kernels.py holds both to
+// kvzip.sparse.screen.screen.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,6 +49,7 @@ using kvzip_vec::store;
 using kvzip_vec::vf;
 constexpr int64_t kMaxSparsity = 64;
 constexpr int64_t kMaxHead = 256;
+constexpr int64_t kBlock = 128;  // at most this many of a group's vectors have their correlations computed together
 constexpr float kDependent = 1e-6f;  // as kvzip.sparse.omp: a squared distance to the span below this adds nothing
 
 // |c| as screen.pack_abs orders it: the float's bits with the low `low` bits replaced by the column, so that an
@@ -142,8 +145,9 @@ void pursue_one(const Pursuit& p, int64_t v, const Shot<corr_t>& shot, Room& roo
   float* pool_atoms = room.atoms.data();  // (n, d)
   for (int64_t i = 0; i < n; ++i) std::memcpy(pool_atoms + i * d, atom(pool[i]), d * sizeof(float));
 
-  // the chosen atoms' Cholesky factor L (L L^T = their Gram matrix), row by row, and b = their dots with x
-  float L[kMaxSparsity][kMaxSparsity], b[kMaxSparsity], y[kMaxSparsity], a[kMaxSparsity];
+  // the chosen atoms' Cholesky factor L (L L^T = their Gram matrix) row by row with its diagonal's reciprocals, b =
+  // their dots with x, and y = L^-1 b (a new atom adds one entry to each; the earlier ones stay)
+  float L[kMaxSparsity][kMaxSparsity], inv[kMaxSparsity], b[kMaxSparsity], y[kMaxSparsity], a[kMaxSparsity];
   bool live[kMaxSparsity];
   float* chosen = room.chosen.data();  // (s, d) the chosen atoms' vectors
   int64_t k = 0;
@@ -154,32 +158,31 @@ void pursue_one(const Pursuit& p, int64_t v, const Shot<corr_t>& shot, Room& roo
     for (int64_t i = 0; i < k; ++i) {
       float g = live[i] ? dot_rows(chosen + i * d, u, nv) : 0.f;
       for (int64_t j = 0; j < i; ++j) g -= L[i][j] * L[k][j];
-      L[k][i] = live[i] ? g / L[i][i] : 0.f;
+      L[k][i] = g * inv[i];
       d2 -= L[k][i] * L[k][i];
     }
     live[k] = d2 > kDependent;
     L[k][k] = live[k] ? std::sqrt(d2) : 1.f;
+    inv[k] = live[k] ? 1.f / L[k][k] : 0.f;
     if (!live[k])
       for (int64_t i = 0; i < k; ++i) L[k][i] = 0.f;
     b[k] = live[k] ? dot_rows(u, x, nv) : 0.f;
+    float t = b[k];
+    for (int64_t j = 0; j < k; ++j) t -= L[k][j] * y[j];
+    y[k] = t * inv[k];
     idx[k] = number;
     ++k;
   };
   vf res[NV ? NV : kMaxHead / kLanes];  // the residual, in registers when NV is known
-  auto solve = [&]() {  // least squares over the chosen atoms, then the residual r = x - D a
-    for (int64_t i = 0; i < k; ++i) {
-      float t = b[i];
-      for (int64_t j = 0; j < i; ++j) t -= L[i][j] * y[j];
-      y[i] = live[i] ? t / L[i][i] : 0.f;
-    }
+  auto solve = [&]() {  // least squares over the chosen atoms (L^T a = y), then the residual r = x - D a
     for (int64_t i = k - 1; i >= 0; --i) {
       float t = y[i];
       for (int64_t j = i + 1; j < k; ++j) t -= L[j][i] * a[j];
-      a[i] = live[i] ? t / L[i][i] : 0.f;
+      a[i] = t * inv[i];
     }
     for (int64_t e = 0; e < nv; ++e) res[e] = load(x + e * kLanes);
     for (int64_t i = 0; i < k; ++i)
-      if (live[i] && a[i] != 0.f)
+      if (a[i] != 0.f)
         for (int64_t e = 0; e < nv; ++e) res[e] -= a[i] * load(chosen + i * d + e * kLanes);
   };
   for (int64_t i = 0; i < shot.k0; ++i) add(shot.chosen[i], atom(shot.chosen[i]));
@@ -223,33 +226,35 @@ void pursue_one(const Pursuit& p, int64_t v, const Shot<corr_t>& shot, Room& roo
   for (int64_t i = 0; i < s; ++i) coef[i] = live[i] ? a[i] : 0.f;
 }
 
-// What both ops read: vectors, their correlations, the atoms and where each group finds them.
-void check_inputs(const Tensor& x, const Tensor& corr, const Tensor& shared, const Tensor& extra,
+// What both ops read: vectors, their correlations (none where the op computes them), the atoms and where each group
+// finds them.
+void check_inputs(const Tensor& x, const Tensor* corr, const Tensor& shared, const Tensor& extra,
                   const Tensor& offsets, int64_t per) {
   TORCH_CHECK(x.device().is_cpu(), "the screening kernels run on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (M, d) float32");
   const int64_t M = x.size(0), d = x.size(1);
   TORCH_CHECK(d % kLanes == 0 && d <= kMaxHead, "screen kernels: vectors of up to ", kMaxHead, " channels in multiples of ",
               kLanes);
-  const bool half = corr.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(corr.dim() == 2 && corr.size(0) == M && (half || corr.scalar_type() == at::kFloat) &&
-                  corr.is_contiguous(),
-              "corr must be (M, Ntot) float32 or bfloat16");
-  const int64_t ntot = corr.size(1);
+  TORCH_CHECK(offsets.dim() == 2 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
+              "offsets must be (groups, Ntot) int64");
+  const int64_t ntot = offsets.size(1);
+  if (corr != nullptr) {
+    const bool half = corr->scalar_type() == at::kBFloat16;
+    TORCH_CHECK(corr->dim() == 2 && corr->size(0) == M && corr->size(1) == ntot &&
+                    (half || corr->scalar_type() == at::kFloat) && corr->is_contiguous(),
+                "corr must be (M, Ntot) float32 or bfloat16");
+  }
   TORCH_CHECK(shared.scalar_type() == at::kFloat && shared.size(-1) == d && shared.stride(-1) == 1,
               "shared atoms must be float32 rows of d");
   TORCH_CHECK(extra.dim() == 2 && extra.size(1) == d && extra.scalar_type() == at::kFloat && extra.is_contiguous(),
               "extra atoms must be (E, d) float32");
-  TORCH_CHECK(offsets.dim() == 2 && offsets.size(1) == ntot && offsets.scalar_type() == at::kLong &&
-                  offsets.is_contiguous(),
-              "offsets must be (groups, Ntot) int64");
   TORCH_CHECK(per >= 1 && M == offsets.size(0) * per, "x holds `per` vectors of each group, group-major");
 }
 
 // One pursuit's inputs, as every vector's reads them.
-Pursuit pursuit(const Tensor& x, const Tensor& corr, const Tensor& shared, const Tensor& extra,
-                const Tensor& offsets, int64_t per, bool top) {
-  return {x.size(1), corr.size(1), per, top, x.data_ptr<float>(), shared.data_ptr<float>(), extra.data_ptr<float>(),
+Pursuit pursuit(const Tensor& x, const Tensor& shared, const Tensor& extra, const Tensor& offsets, int64_t per,
+                bool top) {
+  return {x.size(1), offsets.size(1), per, top, x.data_ptr<float>(), shared.data_ptr<float>(), extra.data_ptr<float>(),
           offsets.data_ptr<int64_t>()};
 }
 
@@ -270,7 +275,7 @@ struct Codes {
 std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& corr, const Tensor& shared,
                                                  const Tensor& extra, const Tensor& offsets, int64_t per,
                                                  const Tensor& chosen, int64_t pool, int64_t steps, bool top) {
-  check_inputs(x, corr, shared, extra, offsets, per);
+  check_inputs(x, &corr, shared, extra, offsets, per);
   const int64_t M = x.size(0), d = x.size(1), ntot = corr.size(1);
   const bool half = corr.scalar_type() == at::kBFloat16;
   TORCH_CHECK(chosen.dim() == 2 && chosen.size(0) == M && chosen.scalar_type() == at::kLong && chosen.is_contiguous(),
@@ -278,7 +283,7 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
   const int64_t k0 = chosen.size(1);
   TORCH_CHECK(steps >= 1 && steps <= kMaxSparsity && k0 <= steps && pool >= 1 && k0 + std::min(pool, ntot) >= steps,
               "screen_pursue: 1 <= steps <= ", kMaxSparsity, ", and the pool must hold the steps after the chosen");
-  const Pursuit p = pursuit(x, corr, shared, extra, offsets, per, top);
+  const Pursuit p = pursuit(x, shared, extra, offsets, per, top);
   Codes out(x, steps);
   int64_t* idx_out = out.idx_out;
   float *coef_out = out.coef_out, *res_out = out.res_out;
@@ -303,47 +308,69 @@ std::tuple<Tensor, Tensor, Tensor> screen_pursue(const Tensor& x, const Tensor& 
   return {out.idx, out.coef, out.res};
 }
 
-// `screen_two_shots(x, corr, shared, extra, offsets, grams, gram_at, per, pool, pool2, steps, top)`: both shots of
-// screen.screen(shots=2) in one pass per vector. The first shot pursues steps / 2 atoms on a pool of `pool` from
-// corr (M, Ntot) float32, the vectors' correlations with every atom. The second shot's correlations are the
-// residual's, D r = D x - sum_i a_i D d_i: corr less the first atoms' Gram rows (grams, flat; group g's N x N block
-// starts at gram_at[g]) weighted by their coefficients, k0 N multiply-adds instead of a product with all N d entries
-// of the dictionary. Only the atoms a group shares have Gram rows: a column whose atom is the row's own (an overlay,
-// offsets < 0) is a dot product with the residual, and so is every column when a first atom is the row's own. The
-// residual's correlations stay in the thread's room (never written to memory), the first atoms are zeroed there
-// (they are orthogonal to the residual), and the second shot pursues on a pool of `pool2` from them.
-std::tuple<Tensor, Tensor, Tensor> screen_two_shots(const Tensor& x, const Tensor& corr, const Tensor& shared,
-                                                    const Tensor& extra, const Tensor& offsets, const Tensor& grams,
-                                                    const Tensor& gram_at, int64_t per, int64_t pool, int64_t pool2,
-                                                    int64_t steps, bool top) {
-  TORCH_CHECK(corr.scalar_type() == at::kFloat, "screen_two_shots reads float32 correlations");
+// The correlations of vectors v .. v + b - 1 of group g (x rows, consecutive) with every atom the group sees, into c
+// (b, Ntot): the shared columns as one product with the group's shared atoms (N, d) (a small matrix product per
+// block, so that the block's correlations stay in the thread's cache between here and the pursuit), then a dot
+// product for each of the group's own columns (`own`: overlay atoms, or the zero row past N).
+void correlate_block(const Pursuit& p, int64_t N, const std::vector<int64_t>& own, int64_t g, int64_t v, int64_t b,
+                     float* c) {
+  const int64_t d = p.d, ntot = p.ntot;
+  const int64_t* off = p.offsets + g * ntot;
+  const float* x = p.x + v * d;
+  int64_t j0 = 0;  // any shared column: the group's shared atoms start at its offset less j0 rows
+  while (j0 < N && off[j0] < 0) ++j0;
+  if (j0 < N) {
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const Tensor xs = at::from_blob(const_cast<float*>(x), {b, d}, f32);
+    const Tensor atoms = at::from_blob(const_cast<float*>(p.shared + off[j0] - j0 * d), {N, d}, f32);
+    Tensor out = at::from_blob(c, {b, N}, {ntot, 1}, f32);
+    at::mm_out(out, xs, atoms.t());
+  }
+  for (int64_t j : own) {  // every column, when none is shared
+    const float* u = p.extra + (-1 - off[j]) * d;
+    for (int64_t i = 0; i < b; ++i) c[i * ntot + j] = dot_rows(x + i * d, u, d / kLanes);
+  }
+}
+
+// `screen_two_shots(x, shared, extra, offsets, grams, gram_at, per, pool, pool2, steps, top)`: both shots of
+// screen.screen(shots=2) in one pass per block of vectors, the correlations with every atom included
+// (`correlate_block`, in float32). The first shot pursues steps / 2 atoms on a pool of `pool`. The second shot's
+// correlations are the residual's, D r = D x - sum_i a_i D d_i: the first's less the first atoms' Gram rows (grams,
+// flat; group g's N x N block starts at gram_at[g]) weighted by their coefficients, k0 N multiply-adds instead of a
+// product with all N d entries of the dictionary. Only the atoms a group shares have Gram rows: a column whose atom
+// is the row's own (an overlay, offsets < 0) is a dot product with the residual, and so is every column when a first
+// atom is the row's own. The residual's correlations stay in the thread's room (never written to memory), the first
+// atoms are zeroed there (they are orthogonal to the residual), and the second shot pursues on a pool of `pool2`.
+std::tuple<Tensor, Tensor, Tensor> screen_two_shots(const Tensor& x, const Tensor& shared, const Tensor& extra,
+                                                    const Tensor& offsets, const Tensor& grams, const Tensor& gram_at,
+                                                    int64_t per, int64_t pool, int64_t pool2, int64_t steps, bool top) {
   TORCH_CHECK(steps >= 2, "screen_two_shots: two shots need two steps at least");
   TORCH_CHECK(shared.dim() >= 2 && grams.dim() == 1 && grams.scalar_type() == at::kFloat && grams.is_contiguous(),
               "shared atoms must be (N, d) or (L, N, d) and grams flat float32");
   TORCH_CHECK(gram_at.dim() == 1 && gram_at.scalar_type() == at::kLong && gram_at.size(0) == offsets.size(0) &&
                   gram_at.is_contiguous(),
               "gram_at must be (groups,) int64");
-  check_inputs(x, corr, shared, extra, offsets, per);
-  const int64_t M = x.size(0), d = x.size(1), ntot = corr.size(1), N = shared.size(-2), k = steps / 2;
+  check_inputs(x, nullptr, shared, extra, offsets, per);
+  const int64_t M = x.size(0), d = x.size(1), ntot = offsets.size(1), N = shared.size(-2), k = steps / 2;
   TORCH_CHECK(steps <= kMaxSparsity && pool >= 1 && std::min(pool, ntot) >= k && k + std::min(pool2, ntot) >= steps,
               "screen_two_shots: steps <= ", kMaxSparsity, ", and each pool must hold its shot's steps");
   TORCH_CHECK(N <= ntot && grams.numel() >= N * N, "screen_two_shots: grams must hold N x N blocks");
-  const Pursuit p = pursuit(x, corr, shared, extra, offsets, per, top);
+  TORCH_CHECK(shared.dim() == 2 || shared.stride(-2) == d, "shared atoms: rows of d, contiguous within a layer");
+  const Pursuit p = pursuit(x, shared, extra, offsets, per, top);
   Codes out(x, steps);
   int64_t* idx_out = out.idx_out;
   float *coef_out = out.coef_out, *res_out = out.res_out;
   const float* G = grams.data_ptr<float>();
   const int64_t* at_g = gram_at.data_ptr<int64_t>();
-  const float* c0_all = corr.data_ptr<float>();
-  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, kBlock, [&](int64_t begin, int64_t end) {
     const int64_t n = std::max(std::min(pool, ntot), std::min(pool2, ntot));
     Room room{std::vector<int64_t>(n), std::vector<float>(n), std::vector<float>(n * d), std::vector<float>(steps * d),
               std::vector<int32_t>(ntot), std::vector<char>(n)};
     std::vector<int64_t> first(k), own;
-    std::vector<float> a(k), r(d), c1(ntot);
+    std::vector<float> a(k), r(d), c1(ntot), block(kBlock * ntot);
     int64_t own_group = -1;
-    for (int64_t v = begin; v < end; ++v) {
-      const int64_t g = v / per;
+    for (int64_t v0 = begin; v0 < end;) {
+      const int64_t g = v0 / per, b = std::min({end, (g + 1) * per, v0 + kBlock}) - v0;
       const int64_t* off = p.offsets + g * ntot;
       auto atom = [&](int64_t j) { return off[j] >= 0 ? p.shared + off[j] : p.extra + (-1 - off[j]) * d; };
       if (g != own_group) {  // the group's own columns, found once per group (its vectors are consecutive)
@@ -352,28 +379,32 @@ std::tuple<Tensor, Tensor, Tensor> screen_two_shots(const Tensor& x, const Tenso
           if (off[j] < 0) own.push_back(j);
         own_group = g;
       }
-      const float* c0 = c0_all + v * ntot;
-      Shot<float> one{c0, nullptr, 0, pool, k, first.data(), a.data(), r.data()};
-      d == 64 ? pursue_one<64 / kLanes>(p, v, one, room) : pursue_one<0>(p, v, one, room);
-      bool shared_first = true;
-      for (int64_t i = 0; i < k; ++i) shared_first &= first[i] < N && off[first[i]] >= 0;
-      float* c = c1.data();
-      if (shared_first) {
-        std::memcpy(c, c0, N * sizeof(float));
-        for (int64_t i = 0; i < k; ++i) {
-          if (a[i] == 0.f) continue;
-          const float* row = G + at_g[g] + first[i] * N;
-          const float ai = a[i];
+      correlate_block(p, N, own, g, v0, b, block.data());
+      for (int64_t v = v0; v < v0 + b; ++v) {
+        const float* c0 = block.data() + (v - v0) * ntot;
+        Shot<float> one{c0, nullptr, 0, pool, k, first.data(), a.data(), r.data()};
+        d == 64 ? pursue_one<64 / kLanes>(p, v, one, room) : pursue_one<0>(p, v, one, room);
+        bool shared_first = true;
+        for (int64_t i = 0; i < k; ++i) shared_first &= first[i] < N && off[first[i]] >= 0;
+        float* c = c1.data();
+        if (shared_first) {
+          std::memcpy(c, c0, N * sizeof(float));
+          for (int64_t i = 0; i < k; ++i) {
+            if (a[i] == 0.f) continue;
+            const float* row = G + at_g[g] + first[i] * N;
+            const float ai = a[i];
 #pragma omp simd
-          for (int64_t j = 0; j < N; ++j) c[j] -= ai * row[j];
+            for (int64_t j = 0; j < N; ++j) c[j] -= ai * row[j];
+          }
+          for (int64_t j : own) c[j] = dot_rows(r.data(), atom(j), d / kLanes);
+        } else {
+          for (int64_t j = 0; j < ntot; ++j) c[j] = dot_rows(r.data(), atom(j), d / kLanes);
         }
-        for (int64_t j : own) c[j] = dot_rows(r.data(), atom(j), d / kLanes);
-      } else {
-        for (int64_t j = 0; j < ntot; ++j) c[j] = dot_rows(r.data(), atom(j), d / kLanes);
+        for (int64_t i = 0; i < k; ++i) c[first[i]] = 0.f;
+        Shot<float> two{c, first.data(), k, pool2, steps, idx_out + v * steps, coef_out + v * steps, res_out + v * d};
+        d == 64 ? pursue_one<64 / kLanes>(p, v, two, room) : pursue_one<0>(p, v, two, room);
       }
-      for (int64_t i = 0; i < k; ++i) c[first[i]] = 0.f;
-      Shot<float> two{c, first.data(), k, pool2, steps, idx_out + v * steps, coef_out + v * steps, res_out + v * d};
-      d == 64 ? pursue_one<64 / kLanes>(p, v, two, room) : pursue_one<0>(p, v, two, room);
+      v0 += b;
     }
   });
   return {out.idx, out.coef, out.res};
@@ -385,7 +416,7 @@ TORCH_LIBRARY_FRAGMENT(kvzip, m) {
   m.def("screen_pursue(Tensor x, Tensor corr, Tensor shared, Tensor extra, Tensor offsets, int per, Tensor chosen, "
         "int pool, int steps, bool top) -> (Tensor, Tensor, Tensor)");
   m.impl("screen_pursue", c10::DispatchKey::CPU, TORCH_FN(screen_pursue));
-  m.def("screen_two_shots(Tensor x, Tensor corr, Tensor shared, Tensor extra, Tensor offsets, Tensor grams, "
+  m.def("screen_two_shots(Tensor x, Tensor shared, Tensor extra, Tensor offsets, Tensor grams, "
         "Tensor gram_at, int per, int pool, int pool2, int steps, bool top) -> (Tensor, Tensor, Tensor)");
   m.impl("screen_two_shots", c10::DispatchKey::CPU, TORCH_FN(screen_two_shots));
 }

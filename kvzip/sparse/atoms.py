@@ -112,7 +112,11 @@ class Grouped:
         if self._lookup is None:  # once: every chunk and shot of a coder call reads the same
             d = self.atoms.shape[2]
             extra = torch.cat([self.atoms.new_zeros(1, d), self.vectors.reshape(-1, d)])
-            self._lookup = (self.atoms, extra, atom_offsets(self.index, self.atoms, self.own))
+            # a shared atom's offset from its layer and number (atom_offsets' division, not needed here)
+            layer = torch.arange(self.atoms.shape[0], device=self.atoms.device).repeat_interleave(self.per_layer)
+            cols = torch.arange(self.size, device=layer.device)
+            shared_at = layer[:, None] * self.atoms.stride(0) + cols * d  # (G, size)
+            self._lookup = (self.atoms, extra, torch.where(self.index < self.own, shared_at, self.own - 1 - self.index))
         return self._lookup
 
     def _group(self, m: int, device) -> torch.Tensor:

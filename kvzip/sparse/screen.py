@@ -106,22 +106,22 @@ def _second_shot(xc, dic, first, a, state, n, pick, packed, out):
 
 def _fused_chunk(xc: torch.Tensor, dic, s: int, n: int, n2: int, two: bool, pick: str, out=None):
     """One chunk (G, m, d) fp32 through the fused pursuit (kvzip/kernels): the same shots, pools and picks as the
-    PyTorch path below, each vector's pursuit in one pass with an explicit residual; the correlations with every
-    atom stay one batched product here. With fp32 correlations both shots run in one kernel call
-    (torch.ops.kvzip.screen_two_shots), the residual's correlations updated from the Gram rows of the first shot's
-    atoms instead of a second product; with bfloat16 ones (which only screen) the second shot's are a second product
-    and each shot a call of torch.ops.kvzip.screen_pursue. Returns idx, coef (G·m, s) and the residuals x - D c
+    PyTorch path below, each vector's pursuit in one pass with an explicit residual. With fp32 correlations both
+    shots run in one kernel call (torch.ops.kvzip.screen_two_shots), which computes the correlations with every atom
+    itself, a block of vectors at a time, and the residual's from the Gram rows of the first shot's atoms instead of
+    a second product; with bfloat16 ones (which only screen) the correlations are batched products here, and each
+    shot a call of torch.ops.kvzip.screen_pursue. Returns idx, coef (G·m, s) and the residuals x - D c
     (G·m, d)."""
     G, m, d = xc.shape
     x = xc.reshape(G * m, d).contiguous()
     atoms = dic.lookup()
     top = pick == "top"
     none = torch.empty(G * m, 0, dtype=torch.long, device=x.device)
+    if two and dic.correlation_dtype == torch.float32:
+        return torch.ops.kvzip.screen_two_shots(x, *atoms, *dic.gram_blocks(), m, n, n2, s, top)
     c0 = dic.correlations(xc, out=out).contiguous()
     if not two:
         return torch.ops.kvzip.screen_pursue(x, c0, *atoms, m, none, n, s, top)
-    if c0.dtype == torch.float32:
-        return torch.ops.kvzip.screen_two_shots(x, c0, *atoms, *dic.gram_blocks(), m, n, n2, s, top)
     first, _, res = torch.ops.kvzip.screen_pursue(x, c0, *atoms, m, none, n, s // 2, top)
     c1 = dic.correlations(res.view(G, m, d), out=out).contiguous()
     # picked atoms are orthogonal to the residual (an index_put: scatter_ is ~10x slower on bfloat16 here)

@@ -32,11 +32,13 @@ NORM_EPS = 1e-8  # floor of a vector's norm in relative errors and normalised re
 # vectors per screening chunk: a decode step's new tokens of every layer, kind and row (30 x 2 x 8 x 96 for SmolLM2
 # at batch 8) in a few passes, so a step pays the coder's per-call cost a few times, not once per layer, kind and row
 CHUNK = 16384
-# On a CPU, at most this many vectors (over rows and heads) of whole kinds are coded per pass (`code_kinds`): their
-# correlations with every atom (4 KB a vector at N = 1,024) are written by one product and read back by the pursuit,
-# and a slice this size (32 MB of them) stays in the CPU's last-level cache between the two, where a whole event's
-# (189 MB at batch 8) goes through memory. Slicing by kinds, not by vectors, keeps each product one kind's vectors
-# tall. Measured at batch 8 (an event of 46,080 vectors): 398 ms unsliced, 351 / 333 ms at 4,096 / 8,192.
+# On a CPU, at most this many vectors (over rows and heads) of whole kinds are coded per pass (`code_kinds`): where
+# their correlations with every atom (4 KB a vector at N = 1,024) are written by one product and read back by the
+# pursuit, a slice this size (32 MB of them) stays in the CPU's last-level cache between the two, where a whole
+# event's (189 MB at batch 8) goes through memory. Slicing by kinds, not by vectors, keeps each product one kind's
+# vectors tall. Measured at batch 8 (an event of 46,080 vectors): 398 ms unsliced, 351 / 333 ms at 4,096 / 8,192.
+# The fp32 two-shot kernel computes its correlations itself; slices still measured faster there (256 against 292
+# ms an event, alternated in one process): every array a pass makes (vectors, residuals, codes) is smaller.
 KIND_SLICE = 8192
 
 
@@ -76,8 +78,9 @@ def dictionaries(kinds: list[CodedKind], rows: torch.Tensor, low: bool = False) 
     correlations in bfloat16 (the shared atoms' bfloat16 copy made once per list of kinds)."""
     ov = [kind.overlay for kind in kinds]
     width = max(o.ids.shape[1] for o in ov)
-    ids = torch.stack([_pad(o.ids[rows], width, -1) for o in ov])  # (L, B', R)
-    vectors = torch.stack([_pad(o.vectors[rows], width, 0.0) for o in ov])  # (L, B', R, d)
+    every = len(rows) == ov[0].ids.shape[0]  # every row (rows are distinct): no row picked out
+    ids = torch.stack([_pad(o.ids if every else o.ids[rows], width, -1) for o in ov])  # (L, B', R)
+    vectors = torch.stack([_pad(o.vectors if every else o.vectors[rows], width, 0.0) for o in ov])  # (L, B', R, d)
     slots = torch.tensor([kind.gram_slot for kind in kinds], device=rows.device)
     atoms = stacked_atoms(kinds)
     copies = kinds[0].low_atoms
@@ -92,14 +95,53 @@ def stacked_atoms(kinds: list[CodedKind]) -> torch.Tensor:
     """The kinds' shared atoms as one (L, N, d) tensor: a view when they sit at a constant stride in one allocation
     (kvzip.sparse.dictionary.prepare_layers stacks every layer's keys and values: all of a cache's kinds, or every
     other one), else a stacked copy."""
-    first = kinds[0].atoms
-    step = kinds[1].atoms.data_ptr() - first.data_ptr() if len(kinds) > 1 else 0
-    same = all(k.atoms.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and k.atoms.is_contiguous()
-               and k.atoms.shape == first.shape and k.atoms.data_ptr() - first.data_ptr() == i * step
-               for i, k in enumerate(kinds))
-    if same and step >= 0 and step % first.element_size() == 0 and step // first.element_size() >= first.numel():
-        return first.as_strided((len(kinds), *first.shape), (step // first.element_size(), first.shape[1], 1))
-    return torch.stack([kind.atoms for kind in kinds])
+    atoms = stacked([kind.atoms for kind in kinds])
+    return atoms if atoms is not None else torch.stack([kind.atoms for kind in kinds])
+
+
+def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """Contiguous tensors of one shape as one (L, ...) view, when they sit at a constant stride in one allocation;
+    else None."""
+    first = tensors[0]
+    if len(tensors) == 1:
+        return first[None] if first.is_contiguous() else None
+    size, step = first.element_size(), tensors[1].data_ptr() - first.data_ptr()
+    base = first.untyped_storage().data_ptr()
+    same = all(t.untyped_storage().data_ptr() == base and t.is_contiguous() and t.shape == first.shape
+               and t.data_ptr() - first.data_ptr() == i * step for i, t in enumerate(tensors))
+    if same and step > 0 and step % size == 0 and step // size >= first.numel():
+        return first.as_strided((len(tensors), *first.shape), (step // size, *first.stride()))
+    return None
+
+
+def share_atom_use(kinds: list[CodedKind]) -> None:
+    """Every kind's atom counts (`refcount`, `last_used`) as rows of one (K, B, N) tensor each, so that the codes of
+    all kinds coded together are counted by one scatter (`count`). Done once per cache (by `compress`, a cache hook);
+    a table that `adapt=append` widened is left alone, and its kind counted by itself."""
+    for name in ("refcount", "last_used"):
+        tables = [getattr(kind, name) for kind in kinds]
+        if len({t.shape for t in tables}) == 1 and stacked(tables) is None:
+            for kind, table in zip(kinds, torch.stack(tables)):
+                setattr(kind, name, table)
+
+
+def count(kinds: list[CodedKind], rows: torch.Tensor, idx: torch.Tensor, real: torch.Tensor, now: int) -> None:
+    """New codes idx (L, B', m, s) of rows (B',), one slice per kind, at step `now`: each atom the `real` (L, B', m)
+    ones use gains a live code (CodedKind.count), in one scatter where the kinds' counts are stacked
+    (`share_atom_use`) and as wide as every kind's dictionary."""
+    use, last = stacked([k.refcount for k in kinds]), stacked([k.last_used for k in kinds])
+    n = None if use is None else use.shape[-1]
+    if last is None or any(kind.n_total() != n for kind in kinds):
+        for kind, i, r in zip(kinds, idx, real):
+            kind.count(rows, i, r, now)
+        return
+    L, b = len(kinds), len(rows)
+    flat = torch.where(real[..., None], idx, n).reshape(L, b, -1)  # filler: a spare last column
+    counts = torch.cat([use[:, rows], use.new_zeros(L, b, 1)], 2)
+    counts.scatter_add_(2, flat, torch.ones_like(flat))
+    seen = torch.cat([last[:, rows], last.new_zeros(L, b, 1)], 2)
+    seen.scatter_(2, flat, now)
+    use[:, rows], last[:, rows] = counts[..., :n], seen[..., :n]
 
 
 def code_kinds(kinds: list[CodedKind], rows: torch.Tensor, x: torch.Tensor, real: torch.Tensor, options: "Fadkv",
@@ -123,8 +165,7 @@ def code_kinds(kinds: list[CodedKind], rows: torch.Tensor, x: torch.Tensor, real
         idx, coef, err = adapt(kinds, rows, x, real, atoms, idx, coef, res, err, options, stats, low)
     stats.residual_sum += float(err.sum())
     stats.vectors += int(real.sum())
-    for kind, i, r in zip(kinds, idx.view(L, B, m, s), real.view(L, B, m)):
-        kind.count(rows, i, r, now)
+    count(kinds, rows, idx.view(L, B, m, s), real.view(L, B, m), now)
     return idx.view(L, B, m, s), coef.view(L, B, m, s)
 
 
@@ -142,12 +183,9 @@ def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, residual, err, option
         return idx, coef, err
     size = atoms.size
     if options.adapt == "fixed":
-        counts = torch.stack([_pad(kind.refcount[rows], size, 0) for kind in kinds]).view(G, size)
+        counts = _tables(kinds, "refcount", rows, size, 0).view(G, size)
         counts.scatter_add_(1, idx.view(G, -1), real[..., None].expand_as(idx).reshape(G, -1).long())
-        last = torch.stack([_pad(kind.last_used[rows], size, -1) for kind in kinds]).view(G, size)
-        never = torch.iinfo(torch.long).max
-        order = torch.where(counts == 0, last, never).sort(dim=1, stable=True)  # inactive atoms, least recent first
-        new_atoms, free = order.indices[:, :k], order.values[:, :k] < never
+        new_atoms, free = least_recent_unused(counts, _tables(kinds, "last_used", rows, size, -1).view(G, size), k)
     else:  # append: numbers past every row's dictionary
         new_atoms = size + torch.arange(k, device=x.device).expand(G, k)
         free = torch.ones_like(bad)
@@ -171,6 +209,24 @@ def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, residual, err, option
     idx[gg, pos[gg, kk]], coef[gg, pos[gg, kk]] = new_idx[gg, kk], new_coef[gg, kk]
     err[gg, pos[gg, kk]] = new_err[gg, kk]  # other codes use no replaced atom
     return idx, coef, err
+
+
+def least_recent_unused(counts: torch.Tensor, last: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Live-code counts and last-used steps (G, size) -> the k atoms each group replaces first (G, k) and whether
+    each is free (no live code uses it): unused atoms, the least recently used first, then the lowest number. Each
+    key is unique, so the k smallest (`topk`) are the first k of a stable sort, without sorting every atom."""
+    never, size = 1 << 40, counts.shape[1]
+    key = torch.where(counts == 0, last, never) * size + torch.arange(size, device=counts.device)
+    first = key.topk(k, dim=1, largest=False)
+    return first.indices, first.values < never * size
+
+
+def _tables(kinds: list[CodedKind], name: str, rows: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    """The kinds' `name` tables (refcount or last_used) of rows (B',), as (L, B', width), `fill` past a table's end."""
+    joint = stacked([getattr(kind, name) for kind in kinds])
+    if joint is not None and joint.shape[-1] == width:
+        return joint[:, rows]
+    return torch.stack([_pad(getattr(kind, name)[rows], width, fill) for kind in kinds])
 
 
 def _pad(table: torch.Tensor, width: int, fill) -> torch.Tensor:

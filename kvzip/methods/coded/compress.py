@@ -19,7 +19,7 @@ import torch
 
 from kvzip import kernels
 from kvzip.attention import gather_tokens
-from kvzip.methods.coded.coding import CodingStats, code_kinds, left_holed
+from kvzip.methods.coded.coding import CodingStats, code_kinds, left_holed, share_atom_use
 from kvzip.rope import phasors, to_pairs, turn_pairs
 from kvzip.sparse.attention import quantize
 
@@ -33,7 +33,22 @@ def real_tokens(layer: "FadkvLayer") -> torch.Tensor:
     return layer.positions >= pad[:, None]
 
 
-def due_columns(layer: "FadkvLayer", counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+class Plan(list):
+    """Per row, (the dense columns it codes now, those it keeps): `due_columns`. Layers whose dense tokens sit at the
+    same positions (every layer of a model without sliding windows) share one plan, and with it the index tensors
+    built from it (`once`), made for the first of them."""
+
+    def __init__(self, columns):
+        super().__init__(columns)
+        self.memo: dict = {}
+
+    def once(self, key, make):
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+
+def due_columns(layer: "FadkvLayer", counts: list[int]) -> Plan | None:
     """Which dense columns each row codes now and which it keeps: all beyond the row's sinks and buffer. counts:
     each row's real dense tokens (`real_tokens`, read for every layer at once). Left padding is neither coded nor
     kept. None when no row codes."""
@@ -47,21 +62,32 @@ def due_columns(layer: "FadkvLayer", counts: list[int]) -> list[tuple[torch.Tens
     for b, (sinks, codeable) in enumerate(due):
         cols = real[b].nonzero().squeeze(-1)
         columns.append((cols[sinks : sinks + codeable], torch.cat([cols[:sinks], cols[sinks + codeable :]])))
-    return columns
+    return Plan(columns)
 
 
-def coding_vectors(layer: "FadkvLayer", plan, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def same_tokens(layer: "FadkvLayer", other: "FadkvLayer") -> bool:
+    """Whether two layers' dense tiers hold the same positions with the same padding (so one plan serves both)."""
+    pads = layer.pad is other.pad or (layer.pad is not None and other.pad is not None and torch.equal(layer.pad,
+                                                                                                       other.pad))
+    return (layer.cfg is other.cfg and pads and layer.positions.shape == other.positions.shape
+            and torch.equal(layer.positions, other.positions))
+
+
+def coding_vectors(layer: "FadkvLayer", plan: Plan, rows: torch.Tensor,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The keys and values the plan codes, as the dictionaries hold them: (B', H, width, d) fp32 each for rows
     (B',), each row's right-aligned after zero filler, and which entries are real (B', width). Keys are centred
     (key mean removed) and, for pre-RoPE dictionaries, turned back to how k_proj wrote them, in pair order. All rows
     in one gather."""
-    index, real = left_holed([plan[b][0] for b in rows.tolist()], width)  # (B', width)
+    index, real = plan.once(("code", width), lambda: left_holed([plan[b][0] for b in rows.tolist()], width))
+    # (B', width) each
     every = len(rows) == layer.batch
     keys, values, positions = ((t if every else t.index_select(0, rows)) for t in (layer.keys, layer.values,
                                                                                     layer.positions))
     keys = gather_tokens(keys, index).float()
     if layer.rope is not None:
-        turns = phasors(positions.gather(1, index), layer.rope, inverse=True)
+        turns = plan.once(("turns", id(layer.rope)), lambda: phasors(positions.gather(1, index), layer.rope,
+                                                                     inverse=True))
         keys = turn_pairs(to_pairs(keys, layer.rope.dim), turns[:, None])
     if layer.key_mean is not None:
         keys -= layer.key_mean[:, None, :]
@@ -70,21 +96,17 @@ def coding_vectors(layer: "FadkvLayer", plan, rows: torch.Tensor, width: int) ->
     return keys.masked_fill_(filler, 0.0), values.masked_fill_(filler, 0.0), real
 
 
-def store_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Keep the codes (idx, coef (B, H, width, s) for keys, then values) of the plan's tokens and drop those
+def store_codes(layer: "FadkvLayer", plan: Plan, codes: list[tuple]) -> None:
+    """Keep the codes (idx, stored, scale (B, H, width, s or 1) for keys, then values: the atom numbers in the
+    tier's dtype, the coefficients as `quantize` stores them) of the plan's tokens and drop those
     tokens from the dense tier. Rows stay rectangular by holes (position -1, masked) at the front of each tier."""
     push_codes(layer, plan, codes)
-    index, valid = left_holed([keep for _, keep in plan])  # (B, S') each row's kept columns, right-aligned
-    width, new_width = layer.positions.shape[1], index.shape[1]
-    drop = width - new_width
+    width = layer.positions.shape[1]
+    index, valid, span = plan.once("keep", lambda: kept_columns(plan, width))
+    drop = width - index.shape[1]
     layer.positions = layer.positions.gather(1, index).masked_fill(~valid, -1)
-    # The tier loses its first `drop` columns as a view. A kept column already where it ends up (a row's recent
-    # tokens; every column of a row that coded nothing) is not touched: only the others (a row's sinks, which move
-    # up to its buffer) are gathered, over the span of new columns that holds them, all rows at once.
-    stray = valid & (index != torch.arange(drop, width, device=index.device))
-    cols = stray.any(0).nonzero().squeeze(-1)
-    if len(cols):
-        lo, hi = int(cols[0]), int(cols[-1]) + 1
+    if span is not None:
+        stray, lo, hi = span
         move = stray[:, None, lo:hi, None]
         for old in (layer.keys, layer.values):
             part = old[:, :, drop + lo : drop + hi]
@@ -92,7 +114,18 @@ def store_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch
     layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
 
 
-def push_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def kept_columns(plan: Plan, width: int):
+    """Each row's kept columns right-aligned (index (B, S'), valid), and the span of new columns that holds the kept
+    columns not already where they end up: (stray (B, S'), lo, hi), or None. The tier loses its first `drop` columns
+    as a view; a kept column already in place (a row's recent tokens; every column of a row that coded nothing) is
+    not touched, only the others (a row's sinks, which move up to its buffer) are gathered, all rows at once."""
+    index, valid = left_holed([keep for _, keep in plan])
+    stray = valid & (index != torch.arange(width - index.shape[1], width, device=index.device))
+    cols = stray.any(0).nonzero().squeeze(-1)
+    return index, valid, (stray, int(cols[0]), int(cols[-1]) + 1) if len(cols) else None
+
+
+def push_codes(layer: "FadkvLayer", plan: Plan, codes: list[tuple]) -> None:
     """The plan's new codes after each row's coded tokens. The coded tier keeps every row right-aligned, holes in
     front, as wide as its fullest row: a row that codes c tokens moves its own codes c columns to the left (into its
     holes) and writes the new ones at the end, so the rows that coded nothing are not touched; the tier widens (into
@@ -106,9 +139,8 @@ def push_codes(layer: "FadkvLayer", plan, codes: list[tuple[torch.Tensor, torch.
     need = max(n + c for n, c in zip(real, counts))
     names = ["coded_pos"] + [f"{kind}.codes.{part}" for kind in ("coded_keys", "coded_values")
                              for part in ("idx", "stored", "scale")]
-    stored = [quantize(coef, layer.cfg.coef_format) for _, coef in codes]  # (stored, scale) per kind
-    new_pos = holed(layer.positions, [code for code, _ in plan])  # (B, c_max)
-    fresh = [new_pos] + [x for (idx, _), (st, sc) in zip(codes, stored) for x in (idx, st, sc)]
+    new_pos = plan.once("positions", lambda: holed(layer.positions, [code for code, _ in plan]))  # (B, c_max)
+    fresh = [new_pos] + [x for code in codes for x in code]
     if len(set(counts)) == 1:  # every row codes c (rows in lockstep): the new codes are appended, nothing moves
         c = counts[0]
         for name, new in zip(names, fresh):
@@ -152,13 +184,19 @@ def compress(layers: list["FadkvLayer"], stats: CodingStats) -> None:
         return
     first = layers[0].keys.device  # one read back for every layer (a device map spreads them over several devices)
     counts = torch.stack([real_tokens(layer).sum(1).to(first) for layer in layers]).tolist()
-    plans = [(layer, plan) for layer, n in zip(layers, counts) if (plan := due_columns(layer, n)) is not None]
+    plans, last = [], None
+    for layer, n in zip(layers, counts):
+        plan = last[1] if last is not None and same_tokens(layer, last[0]) else due_columns(layer, n)
+        last = layer, plan
+        if plan is not None:
+            plans.append((layer, plan))
     if not plans:
         return
     cfg = layers[0].cfg
     if cfg.kernel == "auto" and first.type == "cpu":
         kernels.available()  # the first call builds the kernels (a minute): not coding time in the stats
     t0 = time.perf_counter()
+    share_atom_use([kind for layer in layers for kind in layer.kinds])
     batch = layers[0].batch
     rows = [b for b in range(batch) if any(len(plan[b][0]) for _, plan in plans)]
     width = max(len(plan[b][0]) for _, plan in plans for b in rows)
@@ -181,8 +219,9 @@ def compress(layers: list["FadkvLayer"], stats: CodingStats) -> None:
             xs = torch.stack([x[i] for i in call]).flatten(2, 3)  # (L, B', H·width, d)
             rs = torch.stack([real[i] for i in call]).flatten(2, 3)
             idx, coef = code_kinds([kinds[i] for i in call], row_index, xs, rs, cfg, stats, part[0][0].seen, low)
+            stored = (idx.to(kinds[call[0]].codes.idx.dtype), *quantize(coef, cfg.coef_format))  # every kind at once
             for j, i in enumerate(call):
-                codes[i] = (_full_rows(idx[j], row_index, batch, width), _full_rows(coef[j], row_index, batch, width))
+                codes[i] = tuple(None if t is None else _full_rows(t[j], row_index, batch, width) for t in stored)
         for n, (layer, plan) in enumerate(part):
             store_codes(layer, plan, codes[2 * n : 2 * n + 2])
     stats.seconds += time.perf_counter() - t0
@@ -190,6 +229,8 @@ def compress(layers: list["FadkvLayer"], stats: CodingStats) -> None:
 
 def _full_rows(codes: torch.Tensor, rows: torch.Tensor, batch: int, width: int) -> torch.Tensor:
     """codes (B', H·width, s) of rows (B',) -> (B, H, width, s), zero (holes) in the rows that coded nothing."""
+    if len(rows) == batch:  # every row coded (rows are distinct)
+        return codes.view(batch, -1, width, codes.shape[-1])
     out = codes.new_zeros(batch, codes.shape[1] // width, width, codes.shape[-1])
     out[rows] = codes.view(len(rows), -1, width, codes.shape[-1])
     return out
