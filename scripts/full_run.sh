@@ -12,18 +12,17 @@
 #
 # The bench runs from a worktree of the tag (../kvzip-TAG beside this checkout, made on first use), so what is
 # measured is the tag's code whatever this checkout holds; its JSON, plot and, while a part is unfinished, its pieces
-# folder land in kvzip/bench/results/full/ here, to be committed. Running a part again resumes it (`--resume`, in the
-# dtype the part began in: the bench refuses when the commit or the settings differ). Stop a part with SIGKILL
-# (`kill -KILL` of its python): every finished cell is already in the pieces folder, and the tag's bench (results-1)
-# does not stop on Ctrl-C or SIGTERM inside a generated batch (the engine finishes the rows as "interrupted"; the
-# bench went on and kept the cut batch as a finished cell; fixed after the tag). Run the capacity workload whole on
+# folder land in kvzip/bench/results/TAG/ here, to be committed. Running a part again resumes it (`--resume`, in the
+# dtype the part began in: the bench refuses when the commit or the settings differ). Stop a part with Ctrl-C or
+# SIGTERM: the cell in flight is lost, every finished one is already in the pieces folder (the first tag's bench,
+# results-1, did not stop inside a generated batch: stop that one with SIGKILL). Run the capacity workload whole on
 # one machine: its ratios compare batches measured one after another.
-# Environment: KVZIP_RESULTS_TAG (default results-1), KVZIP_RESULTS_TREE (the worktree's folder).
+# Environment: KVZIP_RESULTS_TAG (default results-2), KVZIP_RESULTS_TREE (the worktree's folder).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-tag=${KVZIP_RESULTS_TAG:-results-1}
+tag=${KVZIP_RESULTS_TAG:-results-2}
 tree=${KVZIP_RESULTS_TREE:-$(dirname "$root")/kvzip-$tag}
-out=$root/kvzip/bench/results/full
+out=$root/kvzip/bench/results/$tag
 part=${1:-}
 shift || true
 
