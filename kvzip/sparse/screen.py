@@ -157,7 +157,7 @@ def screen(x: torch.Tensor, D, s: int, n: int = POOL, gram: torch.Tensor | None 
     # a (rows, N) correlation buffer and a packed-int buffer reused by every chunk and both shots: fresh 8 MB
     # tensors per chunk cost ~20% of the coding time on CPU (page faults)
     corr = scratch(rows, N, dic.correlation_dtype, x.device)
-    packed = torch.empty(rows, N, dtype=torch.int32, device=x.device)
+    packed = None if fused else torch.empty(rows, N, dtype=torch.int32, device=x.device)  # the kernels pack their own
     idx_out, coef_out, res_out = [], [], []
     for part in parts:
         xc = xg[:, part].float()                              # (G, m, d)
