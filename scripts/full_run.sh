@@ -53,7 +53,8 @@ if [ -e "$json" ] && [ ! -d "$json.parts" ]; then echo "$json is finished; nothi
 if [ -d "$json.parts" ]; then  # resume in the dtype the part began in (`auto` could pick another on this CPU)
   began=$("$root/.venv/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["settings"]["dtype"])' \
     "$json.parts/run.json")
-  args+=(--resume --dtype "$began")
+  args+=(--resume)
+  [[ " ${args[*]} " == *" --dtype "* ]] || args+=(--dtype "$began")  # the quality parts name bfloat16 already
 fi
 # From the worktree, `python -m kvzip` imports the worktree's kvzip (the working folder comes first on sys.path).
 cd "$tree"
