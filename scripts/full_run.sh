@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# The full-size run behind docs/results.md, in four parts, every one measured by the code of one tagged commit:
+# The full-size run behind docs/results.md, in five parts, every one measured by the code of one tagged commit:
 #
 #   bash scripts/full_run.sh output          # every method: teacher-forced outputs of 1,024, 4,096 and 8,192 tokens
 #   bash scripts/full_run.sh prompt-recall   # every method: prompt compression and recall
-#   bash scripts/full_run.sh speed-capacity  # every method, full on kvzip's kernel and zoomr detail=fadkv beside them
+#   bash scripts/full_run.sh speed           # every method, full on kvzip's kernel and zoomr detail=fadkv beside them
+#   bash scripts/full_run.sh capacity        # the same settings: the most rows in full's 8-row budget, their tok/s
 #   bash scripts/full_run.sh reasoning       # GSM8K on the reasoning model: 64 problems x 512 new tokens, 7 methods
 #
 # The quality parts (output, prompt-recall, reasoning) run in bf16 on every machine, so that a part begun on one CPU
-# resumes on another (the bench refuses a resume in another dtype); speed-capacity runs in `--dtype auto`, the dtype
-# this CPU runs fastest. Arguments after the part go to `kvzip bench` as they are.
+# resumes on another (the bench refuses a resume in another dtype); speed and capacity run in `--dtype auto`, the
+# dtype this CPU runs fastest. Arguments after the part go to `kvzip bench` as they are.
 #
 # The bench runs from a worktree of the tag (../kvzip-TAG beside this checkout, made on first use), so what is
 # measured is the tag's code whatever this checkout holds; its JSON, plot and, while a part is unfinished, its pieces
 # folder land in kvzip/bench/results/TAG/ here, to be committed. Running a part again resumes it (`--resume`, in the
 # dtype the part began in: the bench refuses when the commit or the settings differ). Stop a part with Ctrl-C or
 # SIGTERM: the cell in flight is lost, every finished one is already in the pieces folder (the first tag's bench,
-# results-1, did not stop inside a generated batch: stop that one with SIGKILL). Run the capacity workload whole on
-# one machine: its ratios compare batches measured one after another.
+# results-1, did not stop inside a generated batch: stop that one with SIGKILL). speed pairs each method with `full`
+# inside its own cell, so it may resume on another machine; capacity compares each method's batch with full's batch
+# run earlier, so it resumes only on the CPU it began on (its model and flags, kept beside the pieces folder).
 # Environment: KVZIP_RESULTS_TAG (default results-2), KVZIP_RESULTS_TREE (the worktree's folder).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -29,11 +31,11 @@ shift || true
 case "$part" in
   output) args=(--workloads output --dtype bfloat16 --plot "$out/$part.png") ;;
   prompt-recall) args=(--workloads prompt,recall --dtype bfloat16) ;;
-  speed-capacity) args=(--workloads speed,capacity --method-set full:attention=kvzip --method-set zoomr:detail=fadkv
+  speed|capacity) args=(--workloads "$part" --method-set full:attention=kvzip --method-set zoomr:detail=fadkv
                         --plot "$out/$part.png") ;;
   reasoning) args=(--model qwen2.5-coder-0.5b --methods full,fadkv,zoomr,rkv,h2o,window,hf-int4 --workloads reasoning
                    --prompts 64 --new-tokens 512 --dtype bfloat16) ;;
-  *) echo "usage: bash scripts/full_run.sh output|prompt-recall|speed-capacity|reasoning" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/full_run.sh output|prompt-recall|speed|capacity|reasoning" >&2; exit 2 ;;
 esac
 
 git -C "$root" rev-parse -q --verify "refs/tags/$tag" >/dev/null \
@@ -50,6 +52,13 @@ mkdir -p "$out"
 json=$out/$part.json
 # A finished run removes its pieces folder; an interrupted one keeps it beside a JSON marked "interrupted".
 if [ -e "$json" ] && [ ! -d "$json.parts" ]; then echo "$json is finished; nothing to do"; exit 0; fi
+machine=$(lscpu | sed -n 's/^Model name: *//p'; nproc; grep -o 'avx512_bf16\|amx_bf16\|avx512f' /proc/cpuinfo | sort -u)
+if [ "$part" = capacity ]; then  # its ratios compare batches run one after another: one machine from start to end
+  if [ -d "$json.parts" ] && [ "$(cat "$json.machine" 2>/dev/null)" != "$machine" ]; then
+    echo "$json.parts began on another CPU ($json.machine): remove both to run capacity whole here" >&2; exit 2
+  fi
+  printf '%s\n' "$machine" > "$json.machine"
+fi
 if [ -d "$json.parts" ]; then  # resume in the dtype the part began in (`auto` could pick another on this CPU)
   began=$("$root/.venv/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["settings"]["dtype"])' \
     "$json.parts/run.json")
