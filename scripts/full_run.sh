@@ -28,12 +28,12 @@ out=$root/kvzip/bench/results/$tag
 part=${1:-}
 shift || true
 
+paired=(--method-set full:attention=kvzip --method-set zoomr:detail=fadkv)  # beside every method in speed, capacity
 case "$part" in
   output) args=(--workloads output --dtype bfloat16 --plot "$out/$part.png") ;;
   prompt-recall) args=(--workloads prompt,recall --dtype bfloat16) ;;
-  speed) args=(--workloads speed --method-set full:attention=kvzip --method-set zoomr:detail=fadkv) ;;
-  capacity) args=(--workloads capacity --method-set full:attention=kvzip --method-set zoomr:detail=fadkv
-                  --plot "$out/$part.png") ;;
+  speed) args=(--workloads speed "${paired[@]}") ;;  # the bench plots output and capacity only
+  capacity) args=(--workloads capacity "${paired[@]}" --plot "$out/$part.png") ;;
   reasoning) args=(--model qwen2.5-coder-0.5b --methods full,fadkv,zoomr,rkv,h2o,window,hf-int4 --workloads reasoning
                    --prompts 64 --new-tokens 512 --dtype bfloat16) ;;
   *) echo "usage: bash scripts/full_run.sh output|prompt-recall|speed|capacity|reasoning" >&2; exit 2 ;;
