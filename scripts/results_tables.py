@@ -131,12 +131,12 @@ def cell(record: dict, key: str, env: dict) -> str:
     fmt = COLUMNS[key].fmt if key in COLUMNS else "{}"
     if fmt == "bytes":
         return f"{v / 2**20:.1f} MiB"
-    if fmt == "ci":  # the interval the bench recorded, else a Wilson interval from the count (older files)
+    if fmt == "ci":  # a Wilson interval from the count, whatever the file recorded (a normal approximation before)
         n = record.get("prompts") or 0
         if not n:
             return f"{v:.2f}"
         k = round(v * n)
-        lo, hi = record.get("gsm8k_accuracy_95ci") or wilson(k, n)
+        lo, hi = wilson(k, n)
         return f"{k}/{n} = {v:.2f} ({lo:.2f}-{hi:.2f})"
     if isinstance(v, (list, dict)):
         return json.dumps(v, separators=(",", ":"))

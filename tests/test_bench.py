@@ -15,7 +15,7 @@ import torch
 
 from kvzip.bench import BenchConfig, Setting, parse_settings, run_bench
 from kvzip.bench.report import COLUMNS, best_marks, pareto_front, plot, summary_rows
-from kvzip.bench.workloads import agreement, parse_answer
+from kvzip.bench.workloads import agreement, parse_answer, wilson_interval
 from kvzip.errors import UserError
 from kvzip.methods import METHODS
 from kvzip.models import ModelSource
@@ -242,6 +242,15 @@ def test_answer_parsing_and_agreement():
     assert parse_answer("no numbers") is None
     assert agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (0.75, 0.5)
     assert agreement([1, 2, 3, 4], [1, 2]) == (0.5, 0.5)
+
+
+def test_accuracy_interval_is_wilson():
+    lo, hi = wilson_interval(1, 64)  # the normal approximation would give 0.000-0.046
+    assert lo == pytest.approx(0.0028, abs=1e-4) and hi == pytest.approx(0.0833, abs=1e-4)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(0, 10)[1] > 0.25
+    assert wilson_interval(10, 10)[1] == pytest.approx(1.0) and wilson_interval(10, 10)[0] < 0.75
+    lo, hi = wilson_interval(14, 64)
+    assert lo < 14 / 64 < hi and wilson_interval(0, 0) == (0.0, 1.0)
 
 
 @pytest.mark.parametrize("args, message", [

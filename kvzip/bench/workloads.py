@@ -130,6 +130,16 @@ def agreement(full: list[int], other: list[int]) -> tuple[float, float]:
     return same / n, (prefix / len(full) if full else float(not other))
 
 
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95% at z = 1.96); unlike the normal approximation it stays
+    inside [0, 1] and does not shrink to a point at 0 or n successes, which matters at a few dozen problems."""
+    if n == 0:
+        return 0.0, 1.0
+    centre = (successes + z * z / 2) / (n + z * z)
+    half = z * (successes * (n - successes) / n + z * z / 4) ** 0.5 / (n + z * z)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def _run_generate(ctx: Context, method, dictionaries, prompts: list[list[int]], settings) -> tuple[list, dict, list]:
     """(Results, the batch Summary's stats, seconds of each decode step) of one engine run, ticking per step."""
     cache = method.make_cache(ctx.model, dictionaries)
@@ -171,12 +181,11 @@ def reasoning(ctx: Context, label: str, method, dictionaries) -> dict:
     peak = max(summaries, key=lambda s: s["kv_bytes_peak"])  # the batch that held the most
     n = len(correct)
     acc = sum(correct) / n
-    half = 1.96 * (acc * (1 - acc) / n) ** 0.5 if n else 0.0  # normal-approximation 95% interval
     return {
         "greedy_agreement": round(sum(a for a, _ in pairs) / len(pairs), 4),
         "greedy_prefix_agreement": round(sum(b for _, b in pairs) / len(pairs), 4),
         "gsm8k_accuracy": round(acc, 4),
-        "gsm8k_accuracy_95ci": [round(max(acc - half, 0.0), 4), round(min(acc + half, 1.0), 4)],
+        "gsm8k_accuracy_95ci": [round(x, 4) for x in wilson_interval(sum(correct), n)],
         **{k: v for k, v in peak.items() if k.startswith("kv_")},
         "decode_tokens_per_s": round(sum(len(t) for t in tokens) / sum(steps), 3) if steps else None,
         "prompts": n,
