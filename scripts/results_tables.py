@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvzip.stats import wilson_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path("kvzip") / "bench" / "results"
@@ -118,12 +119,6 @@ def value(record: dict, key: str, env: dict):
     return out
 
 
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    centre = (successes + z * z / 2) / (n + z * z)
-    half = z * math.sqrt(successes * (n - successes) / n + z * z / 4) / (n + z * z)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
 def cell(record: dict, key: str, env: dict) -> str:
     v = value(record, key, env)
     if v is None:
@@ -136,7 +131,7 @@ def cell(record: dict, key: str, env: dict) -> str:
         if not n:
             return f"{v:.2f}"
         k = round(v * n)
-        lo, hi = wilson(k, n)
+        lo, hi = wilson_interval(k, n)
         return f"{k}/{n} = {v:.2f} ({lo:.2f}-{hi:.2f})"
     if isinstance(v, (list, dict)):
         return json.dumps(v, separators=(",", ":"))

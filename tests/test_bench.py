@@ -15,10 +15,11 @@ import torch
 
 from kvzip.bench import BenchConfig, Setting, parse_settings, run_bench
 from kvzip.bench.report import COLUMNS, best_marks, pareto_front, plot, summary_rows
-from kvzip.bench.workloads import agreement, parse_answer, wilson_interval
+from kvzip.bench.workloads import agreement, parse_answer
 from kvzip.errors import UserError
 from kvzip.methods import METHODS
 from kvzip.models import ModelSource
+from kvzip.stats import wilson_interval
 from tests.conftest import interrupt_at_step
 from tests.matrix import tiny_options
 

@@ -31,6 +31,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from kvzip import engine, evaluate
+from kvzip.stats import wilson_interval
 
 OUTPUT_PROMPT = "Work through the following problems and explanations step by step, one paragraph per step."
 
@@ -128,16 +129,6 @@ def agreement(full: list[int], other: list[int]) -> tuple[float, float]:
     same = sum(a == b for a, b in zip(full, other))
     prefix = next((i for i, (a, b) in enumerate(zip(full, other)) if a != b), min(len(full), len(other)))
     return same / n, (prefix / len(full) if full else float(not other))
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval of a proportion (95% at z = 1.96); unlike the normal approximation it stays
-    inside [0, 1] and does not shrink to a point at 0 or n successes, which matters at a few dozen problems."""
-    if n == 0:
-        return 0.0, 1.0
-    centre = (successes + z * z / 2) / (n + z * z)
-    half = z * (successes * (n - successes) / n + z * z / 4) ** 0.5 / (n + z * z)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _run_generate(ctx: Context, method, dictionaries, prompts: list[list[int]], settings) -> tuple[list, dict, list]:
