@@ -10,6 +10,7 @@ from kvzip import engine
 from kvzip.bench.recall import forced_decode
 from kvzip.errors import UserError
 from kvzip.methods import get_method
+from kvzip.methods.thoughts.detail import part_bytes
 from kvzip.methods.thoughts.index import ThoughtIndex
 from kvzip.methods.thoughts.segment import Row, parse_boundary
 from kvzip.methods.thoughts.summary import novelty, pick_summary
@@ -57,10 +58,11 @@ def test_generated_summaries_use_the_marker_span(tiny, tokenizer):
     assert torch.equal(kept[torch.isin(kept, layer.summary_pos[0][0])], layer.summary_pos[0][0])
 
 
-@pytest.mark.parametrize("detail, atol, value_bytes", [("host", 1e-5, 4), ("int8", 5e-3, 1)])
-def test_detail_is_on_host(tiny, tokenizer, detail, atol, value_bytes):
-    """The detail tier holds every thought's K/V off the device: dense copies (detail=host) or int8 with one fp16
-    scale per vector (detail=int8, the default: within the int8 step of the keys, a quarter of fp32's bytes)."""
+@pytest.mark.parametrize("detail, atol", [("host", 1e-5), ("int8", 5e-3), ("int4", 0.1)])
+def test_detail_is_on_host(tiny, tokenizer, detail, atol):
+    """The detail tier holds every thought's K/V off the device: dense copies (detail=host), int8 with one fp16
+    scale per vector (detail=int8, the default: within the int8 step of the keys, a quarter of fp32's bytes) or int4
+    (within its step)."""
     text = "one two three four.\n\nfive six seven eight.\n\nnine ten eleven twelve"
     opts = {**SMALL, "zoom_thoughts": "1", "detail": detail}
     cache, _, _, _ = feed(tiny, tokenizer, get_method("zoomr", opts), "hello", text)
@@ -75,9 +77,39 @@ def test_detail_is_on_host(tiny, tokenizer, detail, atol, value_bytes):
         hk, hv = layer0._load(0, t)
         assert hk.shape == (2, e - s, 16)
         assert torch.allclose(hk, ref[0, :, s:e], atol=atol)
-    scales = 0 if detail == "host" else 2  # one fp16 scale per (head, token) vector
-    detail_bytes = sum(2 * (e - s) * 2 * (16 * value_bytes + scales) for s, e in row.thoughts) * len(cache.layers)
+    heads, d = 2, 16
+    per_thought = {  # bytes of one thought of n tokens, keys and values
+        "host": lambda n: 2 * heads * n * d * 4,
+        "int8": lambda n: 2 * heads * n * (d + 2),  # int8 codes and an fp16 scale per vector
+        # two codes a byte; keys a scale and a low per head and channel, values per vector (one group at d = 16)
+        "int4": lambda n: 2 * heads * n * d // 2 + heads * d * 4 + heads * n * 4,
+    }[detail]
+    detail_bytes = sum(per_thought(e - s) for s, e in row.thoughts) * len(cache.layers)
     assert cache.memory()["host"] == detail_bytes
+
+
+def test_int4_detail_keeps_each_key_channel_and_value_group_in_its_own_range():
+    """detail=int4: a key channel far larger than the rest (as real keys have) gets its own scale over the thought's
+    tokens, so the small channels keep a small error; values round within half a step of their group of channels;
+    two codes to a byte, fp16 scales and lows."""
+    from kvzip.methods.thoughts.detail import Int4Detail
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 40, 64, generator=g), torch.randn(2, 40, 64, generator=g)
+    k[:, :, 5] *= 100  # one outlier channel
+    v[:, :, 32:] *= 10  # the second group of value channels ten times the first
+    tier = Int4Detail()
+    stored = tier.store(k, v)
+    hk, hv = tier.load(stored, "cpu", torch.float32)
+    k_step = (k.amax(1, keepdim=True) - k.amin(1, keepdim=True)) / 15  # per head and channel
+    assert ((hk - k).abs() <= k_step / 2 + 1e-2).all()
+    assert (hk - k)[:, :, :5].abs().max() < 0.3  # untouched by channel 5's range (a scale per token: ~7)
+    groups = v.unflatten(-1, (2, 32))
+    v_step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15
+    assert ((hv.unflatten(-1, (2, 32)) - groups).abs() <= v_step / 2 + 1e-2).all()
+    assert (hv - v)[..., :32].abs().max() < 0.3  # the first group's own scale
+    codes = 2 * 40 * 32  # bytes of codes per part: heads x tokens x d / 2
+    assert part_bytes(stored) == codes + 2 * 64 * 2 * 2 + codes + 2 * 40 * 2 * 2 * 2
 
 
 def test_content_index_key_is_mean_of_unrotated_summary_keys(tiny, tokenizer):

@@ -18,7 +18,7 @@ from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, Method, check_choice, check_positive, model_layout
 from kvzip.methods.options import KERNELS
 from kvzip.methods.thoughts.cache import ThoughtCache, ThoughtConfig, Zoom
-from kvzip.methods.thoughts.detail import DETAILS, CodedDetail, DenseDetail, Int8Detail
+from kvzip.methods.thoughts.detail import DETAILS, CodedDetail, DenseDetail, Int4Detail, Int8Detail
 from kvzip.methods.thoughts.segment import Segmentation, parse_boundary
 from kvzip.methods.thoughts.summary import SUMMARY_PICKS, SUMMARY_SOURCES
 from kvzip.rope import attention_windows, layer_ropes
@@ -105,6 +105,8 @@ class ZoomR(ThoughtOptions):
             detail = [DenseDetail()] * layers
         elif self.detail == "int8":
             detail = [Int8Detail()] * layers
+        elif self.detail == "int4":
+            detail = [Int4Detail()] * layers
         else:
             if dictionaries is None:
                 raise UserError(f"method '{self.name}' with detail=fadkv needs a dictionary trained for this model, "

@@ -5,6 +5,9 @@ zoomr's device holds summaries, not thoughts; the detail is what comes back on z
 whether device and host together stay below a full cache:
 - `int8` (default): int8 with one fp16 scale per vector, 66 B per vector at head_dim 64 (256 B in fp32, 128 B in
   bf16); a zoomed thought comes back with int8 rounding;
+- `int4`: four bits a channel, two to a byte: keys with a scale and a low per channel over the thought's tokens (a
+  key's few large channels get their own range, as KIVI quantizes keys), values with a scale and a low per group of
+  32 channels of each vector; ~39 B per vector at head_dim 64 for a thought of 40 tokens, with int4 rounding;
 - `host`: dense copies in the compute dtype (the paper's setting), exact on zoom-in;
 - `fadkv`: codes over the layer's post-RoPE dictionary at the sparsity it was trained for, by FAD-KV's screening
   coder (kvzip.sparse.screen, fused on a CPU), int16 indices and fp16 coefficients (32 B per vector at s = 8), with
@@ -15,15 +18,17 @@ A stored thought is a pair of parts (K, V), each a tuple of host tensors.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvzip import kernels
 from kvzip.methods.base import tensor_bytes
-from kvzip.sparse.attention import dequantize, quantize
+from kvzip.sparse.attention import FP16_TINY, dequantize, quantize
 from kvzip.sparse.omp import reconstruct
 from kvzip.sparse.screen import screen
 
-DETAILS = ("int8", "host", "fadkv")
+DETAILS = ("int8", "int4", "host", "fadkv")
 
 
 def offload(x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +46,7 @@ def part_bytes(stored) -> int:
 
 def _stateless(stores: list) -> bool:
     """Whether the layers' tiers are all one kind that keeps no per-layer state (one call can serve every layer)."""
-    return type(stores[0]) in (DenseDetail, Int8Detail) and all(type(s) is type(stores[0]) for s in stores)
+    return type(stores[0]) in (DenseDetail, Int8Detail, Int4Detail) and all(type(s) is type(stores[0]) for s in stores)
 
 
 def store_layers(stores: list, k: torch.Tensor, v: torch.Tensor, separate: bool = False) -> list:
@@ -89,6 +94,43 @@ class Int8Detail(DenseDetail):
     def load(self, stored, device, dtype):
         (k, k_scale), (v, v_scale) = ([x.to(device, non_blocking=True) for x in part] for part in stored)
         return dequantize(k, k_scale).to(dtype), dequantize(v, v_scale).to(dtype)
+
+
+class Int4Detail(DenseDetail):
+    """detail=int4: asymmetric four-bit codes, two to a byte. Keys (..., n, d) get a scale and a low per channel over
+    the thought's n tokens, values a scale and a low per `GROUP` channels of each vector; both stored in fp16, and the
+    codes computed against the stored (rounded) scale and low, so they decode with them exactly."""
+
+    GROUP = 32  # value channels per scale (fewer where the head size is not a multiple of it)
+    LEVELS = 15
+
+    def store(self, k, v):
+        d = v.shape[-1]
+        group = math.gcd(self.GROUP, d)
+        kq = self._quantize(k.float(), k.float().amin(-2, keepdim=True), k.float().amax(-2, keepdim=True))
+        groups = v.float().unflatten(-1, (d // group, group))  # (..., n, d / group, group)
+        vq = self._quantize(groups, groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True))
+        vq = (vq[0].flatten(-2), vq[1].squeeze(-1), vq[2].squeeze(-1))  # codes (..., n, d / 2); scales (..., n, d / group)
+        return tuple(tuple(offload(x) for x in part) for part in (kq, vq))
+
+    def _quantize(self, x, low, high):
+        """x (..., c) and its range, broadcastable -> (codes packed two to a byte (..., c / 2), scale, low) in fp16."""
+        scale = ((high - low) / self.LEVELS).clamp(min=FP16_TINY).half()
+        low = low.half()
+        codes = ((x - low.float()) / scale.float()).round_().clamp_(0, self.LEVELS).to(torch.uint8)
+        return codes[..., 0::2] | (codes[..., 1::2] << 4), scale, low
+
+    def load(self, stored, device, dtype):
+        (k, k_scale, k_low), (v, v_scale, v_low) = ([x.to(device, non_blocking=True) for x in part] for part in stored)
+        k = _unpack(k) * k_scale.float() + k_low.float()
+        groups = _unpack(v).unflatten(-1, (v_scale.shape[-1], -1))
+        v = (groups * v_scale.float()[..., None] + v_low.float()[..., None]).flatten(-2)
+        return k.to(dtype), v.to(dtype)
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    """Codes packed two to a byte (..., c / 2) uint8 -> (..., c) float, the low nibble first."""
+    return torch.stack([packed & 15, packed >> 4], -1).flatten(-2).float()
 
 
 class CodedDetail(DenseDetail):
