@@ -1,4 +1,4 @@
-"""Fast tier for zoomr, sumr and h2o on the tiny random Llama: segmentation, summaries, index keys, votes, tiers,
+"""Fast tier for zoomr, sumr, h2o and window on the tiny random Llama: segmentation, summaries, index keys, votes, tiers,
 batching; the machinery is kvzip/methods/thoughts/."""
 
 from __future__ import annotations
@@ -313,6 +313,37 @@ def test_h2o_keeps_heavy_hitters_and_window(tiny, tokenizer):
     cache, _, _, _ = feed(tiny, tokenizer, get_method("h2o", {"heavy": "5", "window": "7"}), "prompt", "x" * 30)
     layer = cache.layers[0]
     assert layer.keys.shape[2] == 12 and layer.positions[0, -7:].tolist() == list(range(layer.seen - 7, layer.seen))
+
+
+def test_window_keeps_each_rows_sinks_and_last_tokens_as_stored(tiny, tokenizer):
+    """window in a left-padded batch, step by step: layer 0 holds exactly the columns the StreamingLLM rule keeps (each
+    row's `sinks` from its first real token, or the padding it still holds, then the last `window`), in that order;
+    layer 0's keys depend only on token and position, so full's layer 0 is the reference."""
+    sinks, window = 2, 5
+    prompts = [tokenizer("a")["input_ids"], tokenizer("a much longer prompt here")["input_ids"]]
+    streams = {name: engine.Stream(tiny, tokenizer, get_method(name, opts).make_cache(tiny))
+               for name, opts in (("full", {}), ("window", {"sinks": str(sinks), "window": str(window)}))}
+    width = max(len(p) for p in prompts)
+    pad = [width - len(p) for p in prompts]
+    cols = [list(range(width)) for _ in prompts]  # per row, the original columns the rule keeps, in order
+    tokens = torch.tensor([5, 9])
+    with torch.inference_mode():
+        for stream in streams.values():
+            stream.prefill(prompts)
+        for step in range(24):
+            for stream in streams.values():
+                stream.step(tokens + step, ["x", "x"])
+            for b in range(2):  # the rule, one row at a time
+                cols[b].append(width + step)
+                drop = len(cols[b]) - sinks - window
+                if drop > 0:
+                    start = min(pad[b], drop)
+                    cols[b] = cols[b][start : start + sinks] + cols[b][-window:]
+                    pad[b] -= start
+            layer, ref = streams["window"].cache.layers[0], streams["full"].cache.layers[0]
+            for b in range(2):
+                assert torch.equal(layer.keys[b], ref.keys[b][:, cols[b]])
+                assert torch.equal(layer.values[b], ref.values[b][:, cols[b]])
 
 
 def test_options_are_validated():

@@ -60,20 +60,27 @@ class WindowLayer(DenseLayer):
         return drop
 
     def _evict(self):
+        """Keep each row's sinks and the last `window` tokens. The tokens to drop are the first `drop` columns after a
+        row's sinks (or, for a row still holding left padding in front, part of that padding): each row's sinks move
+        forward onto the first of them and the stored tensors start `drop` columns later, a view of the same room. A
+        decode step copies `sinks` tokens per row, not the window, and allocates nothing until the room's spare end
+        is used up (kvzip.methods.base.DenseLayer.extend)."""
         keep = self.sinks + self.window
         stored = self.keys.shape[2]
         if stored <= keep:
             return
+        drop = stored - keep
         # Per row: sinks start at the first real token (or earlier when the row holds fewer than `keep` real ones).
-        start = torch.minimum(self.pad, torch.full_like(self.pad, stored - keep))  # (B,)
-        sink_idx = start[:, None] + torch.arange(self.sinks, device=start.device)  # (B, sinks)
-        recent = torch.arange(stored - self.window, stored, device=start.device).expand(self.batch, self.window)
-        index = torch.cat([sink_idx, recent], dim=1)  # (B, keep)
-        self.keys = gather_tokens(self.keys, index)
-        self.values = gather_tokens(self.values, index)
-        self.positions = self.positions.gather(1, index)
+        start = torch.minimum(self.pad, torch.full_like(self.pad, drop))  # (B,)
+        if self.sinks:
+            sink_idx = start[:, None] + torch.arange(self.sinks, device=start.device)  # (B, sinks)
+            for name in ("keys", "values"):  # gathered first: the source and the target may overlap
+                getattr(self, name)[:, :, drop : drop + self.sinks] = gather_tokens(getattr(self, name), sink_idx)
+            self.positions[:, drop : drop + self.sinks] = self.positions.gather(1, sink_idx)
+        self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
+        self.positions = self.positions[:, drop:]
         self.pad = self.pad - start
-        self.evicted += stored - keep
+        self.evicted += drop
 
 def top_and_recent(score: torch.Tensor, top: int, recent: int) -> torch.Tensor:
     """score (..., S - recent) of the stored tokens but the `recent` newest, -inf where a token must not be kept ->
