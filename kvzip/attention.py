@@ -97,18 +97,23 @@ def attention_with_received(query, keys, values, allowed, scaling, chunk: int = 
     KV head shared by Hq / Hkv query heads; `allowed` boolean, broadcastable to (B, Hq, q, S). Returns the output
     (B, q, Hq, d) and the received attention (B, S) fp32; a query that sees nothing (left padding) gives zero weights,
     not NaN, so the next layer stays finite."""
-    rep = query.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(rep, dim=1).transpose(-1, -2)  # (B, Hq, d, S)
-    v = values.repeat_interleave(rep, dim=1)  # (B, Hq, S, d)
-    q_len = query.shape[2]
-    received = torch.zeros(query.shape[0], keys.shape[2], device=query.device)
+    b, hq, q_len, d = query.shape
+    hkv, width = keys.shape[1], keys.shape[2]
+    g = hq // hkv  # query heads j*g .. j*g + g - 1 read KV head j: stacked as rows, no copy of the keys per query head
+    grouped = query.view(b, hkv, g, q_len, d)
+    mask = allowed if allowed.dim() == 4 else allowed[None, None]  # (B or 1, Hq or 1, q or 1, S)
+    mask = mask[:, :, None] if mask.shape[1] == 1 else mask.unflatten(1, (hkv, g))  # (B or 1, Hkv or 1, g or 1, ., S)
+    received = torch.zeros(b, width, device=query.device)
     outs = []
     for start in range(0, q_len, chunk):
         rows = slice(start, min(start + chunk, q_len))
-        seen = allowed[..., rows, :] if allowed.shape[-2] == q_len else allowed
-        w = ((query[:, :, rows] @ k) * scaling).masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num()
+        n = rows.stop - rows.start
+        q = grouped[:, :, :, rows].reshape(b, hkv, g * n, d)
+        seen = mask[..., rows, :] if mask.shape[-2] == q_len else mask
+        seen = seen.expand(*seen.shape[:2], g, n, width).reshape(seen.shape[0], seen.shape[1], g * n, width)
+        w = ((q @ keys.transpose(-1, -2)) * scaling).masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num()
         received += w.sum((1, 2)).float()
-        outs.append(w @ v)
+        outs.append((w @ values).view(b, hq, n, d))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
     return out.transpose(1, 2).contiguous(), received
 

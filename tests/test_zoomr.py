@@ -346,6 +346,45 @@ def test_window_keeps_each_rows_sinks_and_last_tokens_as_stored(tiny, tokenizer)
                 assert torch.equal(layer.values[b], ref.values[b][:, cols[b]])
 
 
+def test_h2o_drops_a_decode_steps_token_in_place_as_a_gather_would(tiny, tokenizer):
+    """h2o's decode step copies a row's first column onto the one token it evicts instead of gathering every kept
+    token: per row the same positions, with the same keys, values and scores, as the gather it replaces, step by step
+    in a left-padded batch (the order of the heavy hitters may differ; the recent window stays last, in order)."""
+    from kvzip.attention import gather_tokens
+
+    def gather_instead(layer):
+        def drop(heavy, candidates):
+            recent = torch.arange(candidates, layer.keys.shape[2]).expand(layer.batch, -1)
+            index = torch.cat([heavy.sort(-1).values, recent], 1)
+            layer.keys, layer.values = gather_tokens(layer.keys, index), gather_tokens(layer.values, index)
+            layer.positions, layer.score = layer.positions.gather(1, index), layer.score.gather(1, index)
+        return drop
+
+    def by_position(layer, b):  # row b's columns by position, then by key (left padding shares position 0)
+        first = layer.keys[b, 0, :, 0].argsort(stable=True)
+        return first[layer.positions[b, first].argsort(stable=True)]
+
+    prompts = [tokenizer("a")["input_ids"], tokenizer("a much longer prompt here")["input_ids"]]
+    streams = [engine.Stream(tiny, tokenizer, get_method("h2o", {"heavy": "4", "window": "3"}).make_cache(tiny))
+               for _ in range(2)]
+    for layer in streams[1].cache.layers:
+        layer._drop_one = gather_instead(layer)
+    with torch.inference_mode():
+        for stream in streams:
+            stream.prefill(prompts)
+        for step in range(20):
+            for stream in streams:
+                stream.step(torch.tensor([5, 9]) + step, ["x", "x"])
+            fast, ref = (stream.cache.layers[0] for stream in streams)
+            assert torch.equal(fast.positions[:, -3:], ref.positions[:, -3:])
+            for b in range(2):
+                order = [by_position(layer, b) for layer in (fast, ref)]
+                assert torch.equal(fast.positions[b, order[0]], ref.positions[b, order[1]])
+                assert torch.equal(fast.keys[b][:, order[0]], ref.keys[b][:, order[1]])
+                assert torch.equal(fast.values[b][:, order[0]], ref.values[b][:, order[1]])
+                torch.testing.assert_close(fast.score[b, order[0]], ref.score[b, order[1]])
+
+
 def test_options_are_validated():
     assert get_method("zoomr", {"summary_source": "generated"}).summary_source == "generated"
     with pytest.raises(UserError, match="summary_pick='attention' is not allowed; use one of: norm, novel"):

@@ -34,7 +34,7 @@ class H2OLayer(WindowLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         out = super().update(key_states, value_states)
-        self.score = torch.cat([self.score, self.score.new_zeros(self.batch, key_states.shape[2])], dim=1)
+        self.extend("score", self.score.new_zeros(self.batch, key_states.shape[2]))
         return out
 
     def attend(self, module, query, key, value, mask, scaling):
@@ -63,9 +63,27 @@ class H2OLayer(WindowLayer):
             real = gather_mask(mask[:, :, -1:], self.positions[:, : stored - self.window])[:, 0, 0]
             old = old.masked_fill(~real, float("-inf"))
         index = top_and_recent(old, self.heavy, self.window)  # (B, keep)
-        self.keys, self.values = gather_tokens(self.keys, index), gather_tokens(self.values, index)
-        self.positions, self.score = self.positions.gather(1, index), self.score.gather(1, index)
+        if stored - keep == 1 and self.sliding is None:  # a decode step: one token goes per row
+            self._drop_one(index[:, : self.heavy], stored - self.window)
+        else:
+            self.keys, self.values = gather_tokens(self.keys, index), gather_tokens(self.values, index)
+            self.positions, self.score = self.positions.gather(1, index), self.score.gather(1, index)
         self.evicted += stored - keep
+
+    def _drop_one(self, heavy: torch.Tensor, candidates: int) -> None:
+        """Drop each row's one candidate that `heavy` (B, heavy) leaves out: the row's first column is copied onto it
+        and the stored tensors start one column later (the same room, nothing allocated). The heavy hitters' order no
+        longer follows their positions, which attention does not need (a sliding-window layer's slide does: it takes
+        the gather path)."""
+        kept = torch.zeros(self.batch, candidates, dtype=torch.bool, device=heavy.device).scatter_(1, heavy, True)
+        hole = (~kept).int().argmax(1)  # (B,) the column that goes
+        for name in ("keys", "values", "positions", "score"):
+            x = getattr(self, name)
+            at = hole.view(-1, *[1] * (x.dim() - 1)).expand(*x.shape[:2], 1, *x.shape[3:]) if x.dim() == 4 \
+                else hole[:, None]
+            first = x[:, :, :1] if x.dim() == 4 else x[:, :1]
+            x.scatter_(2 if x.dim() == 4 else 1, at, first.clone())
+            setattr(self, name, x[:, :, 1:] if x.dim() == 4 else x[:, 1:])
 
     def memory(self) -> dict[str, int]:
         return {"device": tensor_bytes(self.keys, self.values, self.score)}
