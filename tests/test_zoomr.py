@@ -1,5 +1,5 @@
-"""Fast tier for zoomr, sumr, h2o and window on the tiny random Llama: segmentation, summaries, index keys, votes, tiers,
-batching; the machinery is kvzip/methods/thoughts/."""
+"""Fast tier for zoomr, sumr, h2o and window on the tiny random Llama: segmentation, summaries, index keys, votes,
+tiers, batching; the machinery is kvzip/methods/thoughts/."""
 
 from __future__ import annotations
 

@@ -79,11 +79,10 @@ class H2OLayer(WindowLayer):
         hole = (~kept).int().argmax(1)  # (B,) the column that goes
         for name in ("keys", "values", "positions", "score"):
             x = getattr(self, name)
-            at = hole.view(-1, *[1] * (x.dim() - 1)).expand(*x.shape[:2], 1, *x.shape[3:]) if x.dim() == 4 \
-                else hole[:, None]
-            first = x[:, :, :1] if x.dim() == 4 else x[:, :1]
-            x.scatter_(2 if x.dim() == 4 else 1, at, first.clone())
-            setattr(self, name, x[:, :, 1:] if x.dim() == 4 else x[:, 1:])
+            dim = self._token_axis(x)
+            at = hole.view(-1, *[1] * (x.dim() - 1)).expand(*x.shape[:dim], 1, *x.shape[dim + 1 :])
+            x.scatter_(dim, at, x.narrow(dim, 0, 1).clone())
+            setattr(self, name, x.narrow(dim, 1, x.shape[dim] - 1))
 
     def memory(self) -> dict[str, int]:
         return {"device": tensor_bytes(self.keys, self.values, self.score)}

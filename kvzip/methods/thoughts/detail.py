@@ -107,10 +107,12 @@ class Int4Detail(DenseDetail):
     def store(self, k, v):
         d = v.shape[-1]
         group = math.gcd(self.GROUP, d)
-        kq = self._quantize(k.float(), k.float().amin(-2, keepdim=True), k.float().amax(-2, keepdim=True))
+        k = k.float()
+        kq = self._quantize(k, k.amin(-2, keepdim=True), k.amax(-2, keepdim=True))
         groups = v.float().unflatten(-1, (d // group, group))  # (..., n, d / group, group)
         vq = self._quantize(groups, groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True))
-        vq = (vq[0].flatten(-2), vq[1].squeeze(-1), vq[2].squeeze(-1))  # codes (..., n, d / 2); scales (..., n, d / group)
+        # codes (..., n, d / 2); scales and lows (..., n, d / group)
+        vq = (vq[0].flatten(-2), vq[1].squeeze(-1), vq[2].squeeze(-1))
         return tuple(tuple(offload(x) for x in part) for part in (kq, vq))
 
     def _quantize(self, x, low, high):
