@@ -19,13 +19,13 @@ runs where a kernel cannot be built (no C++ compiler, a torch without its header
 coefficient format the kernel does not read): `available()` says which, and `status()` why, in one line.
 
 Built with -O3 -march=native for the machine it runs on, and OpenMP (each kernel splits its work over torch's
-threads), in `$KVZIP_CACHE/kernels` (default ~/.cache/kvzip/kernels); torch's loader rebuilds when the sources or
-flags change and locks the folder, so parallel ranks build it once.
+threads), in `$KVZIP_CACHE/kernels` (default ~/.cache/kvzip/kernels), one folder per binary: `build.py` names it
+by what determines the binary, builds it once under a lock the kernel frees when its holder dies, and renames it
+into place whole, so ranks and installs sharing a cache build once and a killed build blocks nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import warnings
@@ -33,34 +33,32 @@ from pathlib import Path
 
 import torch
 
+from kvzip.kernels import build
+
 SOURCES = ("coded_attention.cpp", "screen_coder.cpp", "pooled_attention.cpp")
+HEADERS = ("vec.h",)
 OPS = ("coded_decode_attention", "screen_pursue", "screen_two_shots", "pooled_decode_attention")
 # at::parallel_for is inline code in torch's OpenMP builds: compiled without -fopenmp its `omp parallel` is dropped and
 # a kernel runs on one thread (coded attention at batch 8 x 1,024 on two cores: 2.2 against 1.2 ms a layer). The
 # runtime it links is the libgomp.so.1 torch has already loaded (the same soname), so the two share one thread pool.
 OPENMP = torch.backends.openmp.is_available()
 FLAGS = ("-O3", "-march=native", "-fopenmp" if OPENMP else "-fopenmp-simd", "-fno-math-errno")
+LDFLAGS = ("-fopenmp",) if OPENMP else ()
+WAIT_S = 300.0  # how long a run waits for another process's build before it runs the PyTorch path
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "ok": bool once tried, "why": the reason it is not available
 
 
-def build_dir() -> Path:
+def cache_root() -> Path:
     root = Path(os.environ.get("KVZIP_CACHE", Path.home() / ".cache" / "kvzip"))
-    return root / "kernels" / f"torch-{torch.__version__.replace('+', '-')}"
+    return root / "kernels"
 
 
-def _build() -> None:
-    from torch.utils import cpp_extension
-
-    here = Path(__file__).resolve().parent
-    folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    # torch's loader rebuilds when a source or a flag changes, not a header: the header's hash goes in as a flag
-    header = hashlib.sha1((here / "vec.h").read_bytes()).hexdigest()[:12]
-    cpp_extension.load(name="kvzip_kernels", sources=[str(here / s) for s in SOURCES],
-                       extra_cflags=[*FLAGS, f"-DKVZIP_VEC_H={header}"], extra_ldflags=["-fopenmp"] if OPENMP else [],
-                       build_directory=str(folder),
-                       is_python_module=False, verbose=False)
+def _load() -> None:
+    wait_s = float(os.environ.get("KVZIP_KERNELS_WAIT", WAIT_S))
+    library = build.ensure_built(Path(__file__).resolve().parent, SOURCES, HEADERS, FLAGS + LDFLAGS, cache_root(),
+                                 build.compile_library(FLAGS, LDFLAGS), wait_s)
+    torch.ops.load_library(str(library))
 
 
 def available() -> bool:
@@ -74,8 +72,11 @@ def available() -> bool:
                 _STATE.update(ok=False, why="turned off by KVZIP_KERNELS=0")
             else:
                 try:
-                    _build()
+                    _load()
                     _STATE.update(ok=all(hasattr(torch.ops.kvzip, op) for op in OPS), why="")
+                except build.BuildBusy as exc:
+                    _STATE.update(ok=False, why=f"not ready ({exc})")
+                    warnings.warn(f"kvzip: fused CPU kernels {_STATE['why']}; using the PyTorch path", stacklevel=2)
                 except Exception as exc:  # a missing compiler or header: the reference path still works
                     lines = str(exc).strip().splitlines() or [type(exc).__name__]
                     first = next((x for x in lines if "error" in x.lower()), lines[-1]).strip()[:200]
