@@ -350,6 +350,12 @@ class Method:
     def make_cache(self, model, dictionaries=None) -> KVCache:
         raise NotImplementedError
 
+    def plan_budget(self, budget, fixed: frozenset[str]):
+        """This method's options at `budget` (a `kvzip.budget.Budget`: F of full's bytes for so many tokens, on a
+        tier) as a `kvzip.budget.Plan`, leaving the options named in `fixed` (the user's) as they are. Each method
+        says here how F becomes its options, and why in its docs page; the test matrix holds every method to it."""
+        raise NotImplementedError(f"method '{self.name}' has no budget mapping (Method.plan_budget)")
+
     def dictionary_keys(self) -> tuple[str, ...]:
         """The key modes (`kvzip.sparse.KEY_MODES`) of the dictionaries this method, with its options, runs on, the
         one to look for first first; () when it uses no dictionary. kvzip.dictfiles picks the default file by it."""

@@ -48,6 +48,10 @@ from kvzip.sparse.dictionary import LayerAtoms, prepare_for_devices
 from kvzip.sparse.screen import PICKS, SHOTS
 
 
+OVERLAY_ATOMS = 27  # adapted atoms a row holds per layer and kind, estimated (3,278 in 30 layers x 2 kinds x 2 rows of
+# results-2's 8k output run); only the budget's estimate uses it, the bench measures what rows hold
+
+
 class FadkvLayer(CodedAttention, DenseLayer):
     """Dense sinks and buffer (keys, values, positions), older tokens coded (`coded_keys`, `coded_values`:
     kvzip.methods.coded.state, at `coded_pos`)."""
@@ -204,6 +208,44 @@ class Fadkv(Method):
                        max_new_atoms=self.max_new_atoms, adapt_threshold=self.adapt_threshold)
         if self.buffer < 0 or self.sinks < 0:
             raise ValueError("buffer and sinks must be >= 0")
+
+    def plan_budget(self, budget, fixed):
+        """Sparsity and buffer (module docstring; why in docs/fadkv.md): the default sparsity with a buffer of at
+        least 64 tokens if that fits, else the sparsity lowered a step at a time; then buffers down to 16. The buffer
+        takes whatever F leaves, past its default when F is large: dense tokens are the best it can hold."""
+        from kvzip.budget import Plan
+
+        t, shape = budget.tokens, budget.shape
+        dense = (2 if shape.element_size == 4 else shape.element_size) / shape.element_size  # fp16 dense tier in fp32
+        overlay = OVERLAY_ATOMS * (shape.head_dim * 4 + 8) / (shape.vector_bytes * t)  # adapted atoms, per layer and kind
+        if self.adapt == "none":
+            overlay = 0.0
+
+        def code(s: int) -> float:  # bytes of one coded vector against full's
+            return (s * (2 + (2 if self.coef_format == "fp16" else 1)) + (0 if self.coef_format == "fp16" else 2)) \
+                / shape.vector_bytes
+
+        def expected(s: int, vs: int, buffer: int) -> float:
+            held = min(self.sinks + buffer + self.code_chunk - 1, t)
+            return (held * dense + (t - held) * (code(s) + code(vs)) / 2) / t + overlay
+
+        sparsities = [self.sparsity] if "sparsity" in fixed else list(range(self.sparsity, 1, -1))
+        for floor in (64, 16):
+            for s in sparsities:
+                vs = self.value_sparsity if "value_sparsity" in fixed or not self.value_sparsity else s
+                if "buffer" in fixed:
+                    if expected(s, vs, self.buffer) <= budget.fraction:
+                        return Plan({"sparsity": s}, expected(s, vs, self.buffer))
+                    continue
+                per_token = dense - (code(s) + code(vs)) / 2  # what one more buffered token adds
+                room = (budget.fraction - expected(s, vs, 0)) * t / per_token
+                buffer = int(min(room, t))
+                if buffer >= floor:
+                    return Plan({"sparsity": s, "buffer": buffer}, expected(s, vs, buffer))
+        s, buffer = sparsities[-1], self.buffer if "buffer" in fixed else 16
+        floor = expected(s, s, buffer)
+        smallest = {k: v for k, v in (("sparsity", s), ("buffer", buffer)) if k not in fixed}
+        return Plan(smallest, floor, f"holds at least {floor:.3f} of full's bytes (sparsity {s}, a {buffer}-token buffer)")
 
     def dictionary_keys(self) -> tuple[str, ...]:
         """`keys` when set; with keys=auto the method's preferred mode first, then the other."""

@@ -54,6 +54,11 @@ class Full(Method):
     def __post_init__(self):
         check_choice("attention", self.attention, ("sdpa", "kvzip"))
 
+    def plan_budget(self, budget, fixed):
+        from kvzip.budget import Plan
+
+        return Plan({}, 1.0, "" if budget.fraction == 1 else "full keeps every token")
+
     def make_cache(self, model, dictionaries=None) -> KVCache:
         windows = attention_windows(model)
         dense = FullLayer if self.attention == "sdpa" else KvzipAttentionLayer

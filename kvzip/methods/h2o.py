@@ -102,6 +102,18 @@ class H2O(Method):
     def __post_init__(self):
         check_positive(heavy=self.heavy, window=self.window)
 
+    def plan_budget(self, budget, fixed):
+        """F buys `budget.dense_tokens` tokens, half heavy hitters and half recent (the defaults' split); each kept
+        token also holds its fp32 score, counted in the expected ratio."""
+        from kvzip.budget import Plan
+
+        keep, shape = budget.dense_tokens, budget.shape
+        score = 4 / (2 * shape.kv_heads * shape.vector_bytes)  # a score per token per layer, against its K and V
+        if keep < 2:
+            return Plan({}, 2 * (1 + score) / budget.tokens, "keeps at least 2 tokens")
+        heavy = keep // 2
+        return Plan({"heavy": heavy, "window": keep - heavy}, min(keep, budget.tokens) * (1 + score) / budget.tokens)
+
     def make_cache(self, model, dictionaries=None) -> KVCache:
         windows = attention_windows(model, self.name)
         return WindowCache([H2OLayer(self.heavy, self.window, w) for w in windows], self)

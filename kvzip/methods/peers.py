@@ -99,10 +99,21 @@ class HfFp8(Method):
     lossless_options = None
     summary = "peer: transformers' fp8 quantized cache (per-tensor scale), stock attention"
 
+    def plan_budget(self, budget, fixed):
+        """No option changes its size: one byte a value (its per-row scales are negligible)."""
+        return _fixed_plan(budget, 1 / budget.shape.element_size, "fp8")
+
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
         _full_attention_only(model, self.name)
         return KVCache([PeerFp8Layer() for _ in range(layers)], self)
+
+
+def _fixed_plan(budget, ratio: float, what: str, options: dict | None = None):
+    from kvzip.budget import TOLERANCE, Plan
+
+    off = abs(ratio / budget.fraction - 1) > TOLERANCE
+    return Plan(options or {}, ratio, f"{what} holds {ratio:.3f} of full's bytes" if off else "")
 
 
 @dataclass
@@ -117,6 +128,34 @@ class _Quanto(Method):
     def __post_init__(self):
         check_positive(q_group_size=self.q_group_size, residual_length=self.residual_length)
         check_choice("q_group_size", self.q_group_size, (16, 32, 64, 128))
+
+    def plan_budget(self, budget, fixed):
+        """The bit width is the method's; F sets the residual (up to `residual_length - 1` newest tokens in full
+        precision) and, when even a 16-token residual does not fit, the group size (a scale and a shift in the
+        model's dtype per `q_group_size` values) grows to 128."""
+        from kvzip.budget import Plan
+
+        t, e = budget.tokens, budget.shape.element_size
+        groups = [self.q_group_size] if "q_group_size" in fixed else sorted({self.q_group_size, 128})
+
+        def expected(group: int, residual: int) -> float:
+            code = (self.bits / 8 + 2 * e / group) / e
+            kept = min(residual - 1, t)
+            return (kept + (t - kept) * code) / t
+
+        for group in groups:
+            if "residual_length" in fixed:
+                if expected(group, self.residual_length) <= budget.fraction * 1.1:
+                    return Plan({"q_group_size": group}, expected(group, self.residual_length))
+                continue
+            code = (self.bits / 8 + 2 * e / group) / e
+            residual = int((budget.fraction - code) * t / (1 - code)) + 1
+            if residual >= 16:
+                residual = min(residual, t + 1)
+                return Plan({"q_group_size": group, "residual_length": residual}, expected(group, residual))
+        residual = self.residual_length if "residual_length" in fixed else 16
+        smallest = {k: v for k, v in (("q_group_size", groups[-1]), ("residual_length", residual)) if k not in fixed}
+        return _fixed_plan(budget, expected(groups[-1], residual), f"int{self.bits}", smallest)
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:

@@ -219,6 +219,21 @@ class RKV(Method):
         if self.pool % 2 == 0:
             raise ValueError(f"pool must be odd (a window centred on each token; 1 turns pooling off), got {self.pool}")
 
+    def plan_budget(self, budget, fixed):
+        """A layer holds up to `budget + buffer - 1` tokens (just before a compression) plus its observation window's
+        queries: F buys those. The buffer is a quarter of what F buys, at most its default (R-KV's 128)."""
+        from kvzip.budget import Plan
+
+        shape, keep = budget.shape, budget.dense_tokens
+        queries = self.window * shape.heads / (2 * shape.kv_heads)  # the window's queries, in tokens' K and V bytes
+        buffer = self.buffer if "buffer" in fixed else max(1, min(self.buffer, keep // 4))
+        kept = int(keep - buffer + 1 - queries)
+        if kept <= self.window:
+            floor = (self.window + buffer + queries) / budget.tokens
+            return Plan({}, floor, f"keeps at least its {self.window}-token window and {buffer}-token buffer")
+        held = min(kept + buffer - 1, budget.tokens) + queries
+        return Plan({"budget": kept, "buffer": buffer}, held / budget.tokens)
+
     def make_cache(self, model, dictionaries=None) -> KVCache:
         windows = attention_windows(model, self.name)
         return RKVCache([RKVLayer(self.budget, self.window, self.mix, self.pool, w) for w in windows], self)

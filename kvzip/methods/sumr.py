@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvzip.methods.base import KVCache, model_layout
+from kvzip.methods.thoughts import budget as thought_budget
 from kvzip.methods.thoughts.cache import ThoughtCache
 from kvzip.methods.zoomr import ThoughtOptions
 from kvzip.rope import attention_windows, layer_ropes
@@ -22,6 +23,10 @@ class SumR(ThoughtOptions):
 
     name = "sumr"
     summary = "summaries of past thoughts + prompt + recent window, never zooms in (ZoomR baseline)"
+
+    def plan_budget(self, budget, fixed):
+        """Its tail and summaries, as zoomr's device tier without zoom (kvzip/methods/thoughts/budget.py)."""
+        return thought_budget.plan(self, budget, fixed, zoom=0)
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)

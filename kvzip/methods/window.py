@@ -113,6 +113,16 @@ class Window(Method):
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
 
+    def plan_budget(self, budget, fixed):
+        """F buys `budget.dense_tokens` tokens: the sinks (at most an eighth of them) and the window."""
+        from kvzip.budget import Plan
+
+        keep = budget.dense_tokens
+        sinks = self.sinks if "sinks" in fixed else min(self.sinks, keep // 8)
+        if keep - sinks < 1:
+            return Plan({}, (sinks + 1) / budget.tokens, f"keeps at least {sinks + 1} tokens")
+        return Plan({"sinks": sinks, "window": keep - sinks}, min(keep, budget.tokens) / budget.tokens)
+
     def make_cache(self, model, dictionaries=None) -> KVCache:
         windows = attention_windows(model, self.name)
         return WindowCache([WindowLayer(self.sinks, self.window, w) for w in windows], self)

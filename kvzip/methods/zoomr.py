@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, Method, check_choice, check_positive, model_layout
 from kvzip.methods.options import KERNELS
+from kvzip.methods.thoughts import budget as thought_budget
 from kvzip.methods.thoughts.cache import ThoughtCache, ThoughtConfig, Zoom
 from kvzip.methods.thoughts.detail import DETAILS, CodedDetail, DenseDetail, Int4Detail, Int8Detail
 from kvzip.methods.thoughts.segment import Segmentation, parse_boundary
@@ -96,6 +97,12 @@ class ZoomR(ThoughtOptions):
     @property
     def needs_dictionary(self) -> bool:
         return self.detail == "fadkv"
+
+    def plan_budget(self, budget, fixed):
+        """The device tier by its tail, summaries and zoom count; every tier also by the detail format, the most
+        faithful that fits (kvzip/methods/thoughts/budget.py)."""
+        details = (self.detail,) if "detail" in fixed else ("int8", "int4", "fadkv")
+        return thought_budget.plan(self, budget, fixed, self.zoom_thoughts, details)
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, kv_heads, _ = model_layout(model)

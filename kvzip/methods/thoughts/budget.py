@@ -1,0 +1,133 @@
+"""zoomr's and sumr's options at a memory budget (kvzip.budget): how many tokens each part of a thought cache holds.
+
+A thought cache's device tier holds the prompt (kept whole by design), the tail (the last `window` tokens and the
+open thought, moved a quarter window at a time), `summary_tokens` per finished thought, zoomr's index (one fp32 key per
+thought, layer and KV head) and zoomr's `zoom_thoughts` zoomed thoughts. Its host tier (zoomr) holds every finished
+thought's detail in the detail format. How many thoughts a text makes is known only after the run: the estimate is
+`THOUGHT_TOKENS` tokens a thought (the default segmentation cut results-2's 8,064-token evaluation text into ~123
+thoughts, ~65 tokens each), or `max_thought_tokens` when that is smaller. The bench measures what the cells really
+hold and marks those that miss.
+
+The parts shrink in this order as F falls: the tail down to 32 tokens, then the summaries (half, then 2, then 1 a
+thought), then zoomr's zoom count (down to 1), then the longest thought (`max_thought_tokens` 64, then 32: an open
+thought stays whole in the tail, so the longest sets the tail's peak), then the tail down to 16. A larger F grows the tail: more recent context
+helps every position. Where every tier counts (zoomr), the detail format is the most faithful one that leaves the
+device tier a feasible plan: int8, then int4, then fadkv codes (fadkv needs a dictionary).
+"""
+
+from __future__ import annotations
+
+from kvzip.budget import Budget, Plan
+
+THOUGHT_TOKENS = 64  # tokens a thought, estimated (module docstring)
+TAIL_FLOOR, TAIL_MIN = 32, 16
+
+
+def thought_tokens(options, max_thought: int | None = None) -> int:
+    return max(1, min(THOUGHT_TOKENS, max_thought or options.max_thought_tokens))
+
+
+def device_tokens(budget: Budget, window: int, summaries: int, zoom: int, thought: int, max_thought: int,
+                  index: bool) -> float:
+    """Peak device tokens (in `full`'s K and V bytes a token) of a thought cache with these options."""
+    t, p = budget.tokens, budget.prompt_tokens
+    tail = max(window, min(max_thought, 2 * thought)) + window // 4
+    thoughts = max(t - p - window, 0) / thought
+    held = p + min(tail, max(t - p, 0)) + summaries * thoughts + zoom * thought
+    if index:  # one fp32 key per thought per layer and KV head, against a token's K and V in the model's dtype
+        held += thoughts * 4 / (2 * budget.shape.element_size)
+    return min(held, t + (thoughts * 4 / (2 * budget.shape.element_size) if index else 0))
+
+
+def caps(options, fixed) -> list[int]:
+    """The thought lengths a plan may cap thoughts at: the option's, then 64 and 32 (an open thought stays whole in
+    the tail, so the longest one sets the tail's peak)."""
+    if "max_thought_tokens" in fixed:
+        return [options.max_thought_tokens]
+    return list(dict.fromkeys(c for c in (options.max_thought_tokens, 64, 32)
+                              if options.min_thought_tokens <= c <= options.max_thought_tokens))
+
+
+def solve(budget: Budget, allowance: float, options, summaries: int, zoom: int, fixed) -> dict | None:
+    """The options (window, summary_tokens, zoom_thoughts when `zoom`, max_thought_tokens when capped) holding at
+    most `allowance` device tokens, by the order of the module docstring; None when even the smallest do not fit."""
+    index = zoom > 0
+    sizes = [summaries, max(1, summaries // 2), 2, 1] if "summary_tokens" not in fixed else [summaries]
+    zooms = [zoom] + ([1] if zoom > 1 and "zoom_thoughts" not in fixed else []) if zoom else [0]
+    steps = [(s, z, cap, TAIL_FLOOR) for cap in caps(options, fixed) for z in zooms
+             for s in dict.fromkeys(x for x in sizes if x <= summaries)]
+    steps.append(steps[-1][:3] + (TAIL_MIN,))
+    for s, z, cap, floor in steps:
+        thought = thought_tokens(options, cap)
+        fits = lambda w: device_tokens(budget, w, s, z, thought, cap, index) <= allowance  # noqa: E731
+        if "window" in fixed:
+            if fits(options.window):
+                return _options(options, options.window, s, z, zoom, cap)
+            continue
+        if not fits(floor):
+            continue
+        lo, hi = floor, max(floor, budget.tokens)
+        while lo < hi:  # the largest tail that fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return _options(options, lo, s, z, zoom, cap)
+    return None
+
+
+def held(budget: Budget, options, found: dict, zoom: int) -> float:
+    """Device tokens of a found plan."""
+    cap = found.get("max_thought_tokens", options.max_thought_tokens)
+    return device_tokens(budget, found["window"], found["summary_tokens"], found.get("zoom_thoughts", 0),
+                         thought_tokens(options, cap), cap, zoom > 0)
+
+
+def _options(options, window: int, summaries: int, zoom: int, zooms: bool, cap: int) -> dict:
+    out = {"window": window, "summary_tokens": summaries}
+    if zooms:
+        out["zoom_thoughts"] = zoom
+    if cap != options.max_thought_tokens:
+        out["max_thought_tokens"] = cap
+    return out
+
+
+def detail_ratio(detail: str, budget: Budget, thought: int, sparsity: int = 8) -> float:
+    """Bytes of one key or value vector in the detail tier, against `full`'s."""
+    d, e = budget.shape.head_dim, budget.shape.element_size
+    per_vector = {"host": d * e, "int8": d + 2, "fadkv": 4 * sparsity,
+                  # keys: codes + an fp16 scale and low per channel over the thought; values: per group of 32
+                  "int4": d / 2 + 2 * d / thought + 2 * d / min(32, d)}[detail]
+    return per_vector / (d * e)
+
+
+def plan(options, budget: Budget, fixed, zoom: int, details: tuple[str, ...] = (), sparsity: int = 8) -> Plan:
+    """sumr (zoom 0, no details) or zoomr at `budget`: see the module docstring."""
+    t = budget.tokens
+    defaults = options.summary_tokens
+    if budget.tier == "device" or not details:
+        found = solve(budget, budget.fraction * t, options, defaults, zoom, fixed)
+        if found is None:
+            return _unreachable(options, budget, zoom, defaults, 0.0, fixed=fixed)
+        return Plan(found, held(budget, options, found, zoom) / t)
+    thought = thought_tokens(options)
+    for detail in details:
+        host = detail_ratio(detail, budget, thought, sparsity) * max(t - budget.prompt_tokens, 0) / t
+        found = solve(budget, (budget.fraction - host) * t, options, defaults, zoom, fixed)
+        if found is not None:
+            return Plan({**found, "detail": detail}, held(budget, options, found, zoom) / t + host)
+    host = detail_ratio(details[-1], budget, thought, sparsity) * max(t - budget.prompt_tokens, 0) / t
+    return _unreachable(options, budget, zoom, defaults, host, details[-1], fixed)
+
+
+def _unreachable(options, budget: Budget, zoom: int, summaries: int, host: float, detail: str | None = None,
+                 fixed=()) -> Plan:
+    """The smallest options (a 16-token tail, one summary token a thought, one zoomed thought), with the note."""
+    cap = caps(options, fixed)[-1]
+    smallest = {"window": TAIL_MIN, "summary_tokens": 1, **({"zoom_thoughts": 1} if zoom else {}),
+                **({"detail": detail} if detail else {}),
+                **({"max_thought_tokens": cap} if cap != options.max_thought_tokens else {})}
+    floor = device_tokens(budget, TAIL_MIN, 1, min(zoom, 1), thought_tokens(options, cap), cap,
+                          zoom > 0) / budget.tokens + host
+    how = f" with detail={detail}" if detail else ""
+    return Plan({k: v for k, v in smallest.items() if k not in fixed}, floor,
+                f"holds at least {floor:.3f} of full's bytes{how} (the prompt, a {TAIL_MIN}-token tail, a summary "
+                "token a thought)")
