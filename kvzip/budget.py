@@ -98,27 +98,6 @@ class Plan:
         return {"options": dict(self.options), "expected_ratio": round(self.expected, 4), "note": self.note or None}
 
 
-def check_fraction(text: str, flag: str = "--budget") -> float:
-    """A budget as the user typed it -> F, or a UserError saying what is allowed."""
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise UserError(f"{flag} takes a fraction of full's KV bytes in (0, 1], e.g. 0.25; got {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= 1):
-        raise UserError(f"{flag} takes a fraction of full's KV bytes in (0, 1], e.g. 0.25; got {text!r}")
-    return value
-
-
-def check_fractions(text: str, flag: str = "--budgets") -> tuple[float, ...]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
-        raise UserError(f"{flag} takes comma-separated fractions of full's KV bytes in (0, 1], e.g. 0.125,0.25")
-    values = tuple(check_fraction(p, flag) for p in parts)
-    if len(set(values)) != len(values):
-        raise UserError(f"{flag} lists the same budget twice: {text!r}")
-    return values
-
-
 def plan(name: str, budget: Budget, opts: dict[str, str] | None = None) -> Plan:
     """Method `name`'s options at `budget`, on top of the user's `opts` (which the plan never overrides: an option the
     budget sets and the user set too is a UserError). The plan's options include the user's."""

@@ -6,6 +6,12 @@ output into thoughts does so exactly as when it generates). At every fed positio
 perplexity of the reference text, top-1 agreement with `full`, and KL(full || method). Rows of a batch are separate
 texts of equal length. It is the measure a small model's weak reasoning cannot hide.
 
+Key tokens (LongPPL, Fang et al., ICLR 2025): most next tokens of a long text are predicted by the last few hundred
+tokens alone, so an average over every position hides what a cache lost of the distant past. `key_positions` picks
+the positions where it matters: `full`'s log-probability of the true token beats a short-context reference's (the
+bench runs a 256-token window with 4 sinks, `SHORT_REFERENCE`) by more than `KEY_GAIN` nats, and `full` itself gives
+that token at least `KEY_FLOOR`. `Forced.scores` reports top-1, KL and perplexity on those positions beside the rest.
+
 KL is taken over `full`'s `REFERENCE_TOP` most likely tokens plus one bucket for the rest of the vocabulary, so a
 reference keeps a few hundred bytes per position instead of the whole distribution (8k positions x 49k vocab would be
 800 MB a row). Merging tokens into a bucket can only lower a KL, so this is a slight, consistent underestimate.
@@ -22,6 +28,14 @@ import torch
 from kvzip.engine import Stream, sync
 
 REFERENCE_TOP = 64  # tokens of full's distribution kept per position for the KL
+KEY_GAIN, KEY_FLOOR = 2.0, -2.0  # nats: LongPPL's thresholds (module docstring)
+SHORT_REFERENCE = {"sinks": "4", "window": "256"}  # the short context key positions are found against (`window`)
+
+
+def key_positions(full_nll: torch.Tensor, short_nll: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: where `full`'s log-probability of the true token (-full_nll) exceeds the short reference's by more
+    than KEY_GAIN and is at least KEY_FLOOR."""
+    return (short_nll - full_nll > KEY_GAIN) & (-full_nll >= KEY_FLOOR)
 
 
 @dataclass
@@ -44,15 +58,23 @@ class Forced:
     report: dict
     decode_s: float  # seconds spent in the fed steps (after the prefill)
 
-    def scores(self, ref: Reference) -> dict:
-        """Perplexity, top-1 agreement with `ref` and mean KL over every fed position of every row."""
+    def scores(self, ref: Reference, key: torch.Tensor | None = None) -> dict:
+        """Perplexity, top-1 agreement with `ref` and mean KL over every fed position of every row; with `key`
+        (B, T) bool, the same over the key positions (`key_*`, None where there are none)."""
+        same = (self.top1 == ref.top1).float()
         out = {
             "ppl": round(math.exp(self.nll.mean().item()), 4),
-            "top1_agreement": round((self.top1 == ref.top1).float().mean().item(), 4),
+            "top1_agreement": round(same.mean().item(), 4),
             "positions": int(self.nll.numel()),
         }
         if self.kl is not None:
             out["kl"] = round(self.kl.mean().item(), 5)
+        if key is not None:
+            n = int(key.sum())
+            out["key_positions"] = n
+            out["key_top1_agreement"] = round(same[key].mean().item(), 4) if n else None
+            out["key_ppl"] = round(math.exp(self.nll[key].mean().item()), 4) if n else None
+            out["key_kl"] = round(self.kl[key].mean().item(), 5) if n and self.kl is not None else None
         return out
 
 

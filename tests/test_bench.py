@@ -15,7 +15,7 @@ import torch
 
 from kvzip.bench import BenchConfig, Setting, parse_settings, run_bench
 from kvzip.bench.report import COLUMNS, best_marks, pareto_front, plot, summary_rows
-from kvzip.bench.workloads import agreement, parse_answer
+from kvzip.bench.reasoning import agreement, parse_answer
 from kvzip.errors import UserError
 from kvzip.methods import METHODS
 from kvzip.models import ModelSource
@@ -124,7 +124,7 @@ def _capacity_with(monkeypatch, per_row) -> tuple[list[int], dict]:
         return [], {"kv_bytes_peak": held, "kv_bytes_device_peak": held, "decode_tokens_per_s": float(len(prompts)),
                     "new_tokens": 4 * len(prompts)}, []
 
-    monkeypatch.setattr(workloads, "_run_generate", fake_run)
+    monkeypatch.setattr(workloads, "run_generate", fake_run)
     monkeypatch.setattr(workloads, "capacity_prompts", lambda ctx, rows: [[1]] * rows)
     ctx = types.SimpleNamespace(cfg=BenchConfig(capacity_tokens=4), ref={"capacity_budget": 1600})
     return ran, workloads.capacity(ctx, "m", None, None)

@@ -31,15 +31,18 @@ class BenchConfig:
     reasoning_prompts: int = 8  # GSM8K evaluation problems, greedy
     reasoning_new_tokens: int = 256
     reasoning_batch: int = 8  # problems generated as one left-padded batch
-    recall_trials: int = 8
-    recall_facts: int = 4
-    recall_filler: int = 600  # tokens of prose between the facts and the question
+    recall_filler: tuple[int, ...] = (1024, 4096)  # tokens of prose between the facts and the question, per distance
+    recall_trials: tuple[int, ...] = (128, 32)  # trials at each distance (a trial moves recall by 1/trials)
+    recall_facts: int = 4  # facts per trial, one asked for: chance is 1/recall_facts
+    recall_batch: int = 64  # trials fed as one batch
     speed_contexts: tuple[int, ...] = (1024, 4096, 8192)
     speed_new_tokens: int = 64  # decode steps timed per measurement (steps / their total time): two fadkv chunks
     repeats: int = 2  # paired (method, full) speed measurements per context; the median ratio is reported
     capacity_tokens: int = 1024  # new tokens per row in the capacity workload
     kv_budget: int | None = None  # KV bytes (all tiers) the capacity workload fills; None: full's bytes for 8 rows
     capacity_max_rows: int = 64  # the largest batch the capacity workload tries
+    budgets: tuple[float, ...] = ()  # fractions of full's bytes every method other than full runs at (none: defaults)
+    budget_tier: str = "all"  # what a budget counts: every tier, or the device tier alone
     seed: int = 0
     quick: bool = False
 
@@ -50,10 +53,15 @@ class BenchConfig:
             if w not in WORKLOADS:
                 raise UserError(f"unknown workload '{w}'; use some of: {', '.join(WORKLOADS)}")
         for name in ("output_rows", "prompt_positions", "reasoning_prompts", "reasoning_new_tokens", "reasoning_batch",
-                     "recall_trials", "recall_facts", "speed_new_tokens", "repeats", "capacity_tokens",
+                     "recall_facts", "recall_batch", "speed_new_tokens", "repeats", "capacity_tokens",
                      "capacity_max_rows"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
+        if len(self.recall_filler) != len(self.recall_trials) or min(self.recall_trials, default=0) < 1:
+            raise UserError(f"recall needs one trial count of at least 1 for each distance, got distances "
+                            f"{list(self.recall_filler)} and trials {list(self.recall_trials)}")
+        if self.budget_tier not in ("all", "device"):
+            raise UserError(f"budget tier {self.budget_tier!r} is not allowed; use one of: all, device")
         if not self.output_tokens or any(n < 2 for n in self.output_tokens):
             raise UserError(f"output lengths must be at least 2 tokens each, got {list(self.output_tokens)}")
         for ctx in self.prompt_contexts:
@@ -69,8 +77,8 @@ class BenchConfig:
         """A small version of every workload: minutes for all methods on a 2-core CPU. The output length is the
         shortest at which every method's defaults compress (zoomr keeps a 128-token tail plus its zoomed thoughts)."""
         return cls(workloads=workloads, output_tokens=(768,), output_rows=2, prompt_contexts=(640,),
-                   prompt_positions=96, reasoning_prompts=2, reasoning_new_tokens=32, recall_trials=2,
-                   recall_filler=120, speed_contexts=(1024,), speed_new_tokens=16, repeats=1, capacity_tokens=256,
+                   prompt_positions=96, reasoning_prompts=2, reasoning_new_tokens=32, recall_trials=(2,),
+                   recall_filler=(120,), speed_contexts=(1024,), speed_new_tokens=16, repeats=1, capacity_tokens=256,
                    quick=True)
 
     def capped(self, max_positions: int | None) -> "BenchConfig":
@@ -95,6 +103,7 @@ class Setting:
     label: str
     name: str
     opts: dict[str, str] = field(default_factory=dict)
+    budget: float | None = None  # a fraction of full's bytes (the method is planned for it per length), or none
 
     def build(self):
         from kvzip.methods import get_method
@@ -161,3 +170,11 @@ def parse_settings(methods: str | None, opts: list[str] | None, method_sets: lis
         s.build()  # validate every option before any model work
     full = [s for s in settings if s.label == "full"]
     return (full or [Setting("full", "full")]) + [s for s in settings if s.label != "full"]
+
+
+def at_budgets(settings: list[Setting], budgets: tuple[float, ...]) -> list[Setting]:
+    """`full` once, then every other setting at each budget, labelled `label@F` (no budgets: the settings as given)."""
+    if not budgets:
+        return settings
+    return [s for s in settings if s.label == "full"] + [
+        Setting(f"{s.label}@{f:g}", s.name, s.opts, f) for s in settings if s.label != "full" for f in budgets]

@@ -9,6 +9,10 @@ explanations and GSM8K solutions) as filler, then a question paragraph ("Back to
 The score is likelihood ranking: the trial counts as recalled when the right object is the most likely next token
 among the trial's candidate objects (all single tokens; chance is 1/n_facts).
 
+The bench's `recall` workload (`recall`) runs it at each distance of `recall_filler` (tokens of filler between the facts
+and the question) with that distance's number of trials, batched `recall_batch` rows at a time; each distance reports
+the recall with its 95% Wilson interval and chance. At a budget, F is of `full`'s bytes for a trial's tokens.
+
 Feeding goes through `forced_decode`, a loop over the engine's `Stream` (prefill, then per token `cache.on_step` with
 the decoded text and a one-token forward), so thought segmentation runs exactly as in generation; trials are rows of
 one left-padded batch of equal forced length.
@@ -25,6 +29,7 @@ import time
 import torch
 
 from kvzip.engine import Stream, encode, sync
+from kvzip.stats import wilson_interval
 
 COLORS = ["blue", "red", "green", "yellow", "black", "white", "orange", "purple", "brown", "pink", "grey", "silver"]
 OBJECTS = ["apple", "violin", "candle", "tiger", "piano", "lantern", "compass", "river", "hammer", "mirror",
@@ -98,14 +103,17 @@ def build_trials(tokenizer, n_trials: int, n_facts: int = 4, filler_tokens: int 
 
 
 def recall_probe(model, tokenizer, method, n_trials: int = 8, n_facts: int = 4, filler_tokens: int = 600,
-                 seed: int = 0, batch_size: int = 8, dictionaries=None, return_predictions: bool = False) -> dict:
+                 seed: int = 0, batch_size: int = 8, dictionaries=None, return_predictions: bool = False,
+                 trials: list[dict] | None = None) -> dict:
     """Fraction of trials whose right object is the most likely candidate, feeding the trials through `method`'s cache.
 
     Also: mean rank of the right object (0 = best), mean log-prob margin over the best wrong candidate, peak device and
     host KV bytes per row, forced length, and decode seconds per fed token. With `return_predictions`, also
     "predictions": (n_trials, T+1) greedy next tokens at every fed position (for top-1 agreement against `full`).
+    `trials` (from `build_trials`) replaces the ones the other arguments would build.
     """
-    trials = build_trials(tokenizer, n_trials, n_facts, filler_tokens, seed)
+    trials = trials if trials is not None else build_trials(tokenizer, n_trials, n_facts, filler_tokens, seed)
+    n_trials = len(trials)
     hits, ranks, margins, device, host, full, total, seconds, steps, preds = [], [], [], [], [], [], [], 0.0, 0, []
     for start in range(0, n_trials, batch_size):
         chunk = trials[start : start + batch_size]
@@ -142,3 +150,38 @@ def recall_probe(model, tokenizer, method, n_trials: int = 8, n_facts: int = 4, 
         "full_bytes_per_row": int(sum(full) / len(full)),
         "seconds_per_token": round(seconds / max(steps, 1), 4),
     }
+
+
+def recall_units(cfg) -> int:
+    """Decode steps of the workload: each distance's batches, one step per forced token."""
+    return sum(-(-n // cfg.recall_batch) * (filler + 60) for filler, n in zip(cfg.recall_filler, cfg.recall_trials))
+
+
+def recall(ctx, label: str, method, dictionaries) -> dict:
+    """The bench workload: the probe at each distance (module docstring); the headline is the longest distance's."""
+    from kvzip.bench.context import budget_fields, headline, resolve
+
+    cfg, runs = ctx.cfg, []
+    for filler, n in zip(cfg.recall_filler, cfg.recall_trials):
+        trials = build_trials(ctx.tokenizer, n, cfg.recall_facts, filler, cfg.seed)
+        m, d, plan = resolve(method, dictionaries, len(trials[0]["prompt"]), len(trials[0]["forced"]))
+        out = recall_probe(ctx.model, ctx.tokenizer, m, n_facts=cfg.recall_facts, batch_size=cfg.recall_batch,
+                           dictionaries=d, trials=trials)
+        ctx.tick(-(-n // cfg.recall_batch) * (filler + 60))
+        full = out["full_bytes_per_row"]
+        ratio = lambda b: round(b / full, 4) if full else None  # noqa: E731
+        hits = round(out["recall_accuracy"] * out["trials"])
+        record = {
+            "context": filler, **out,
+            "recall_95ci": [round(x, 4) for x in wilson_interval(hits, out["trials"])],
+            "kv_bytes_peak": out["total_bytes_per_row"],
+            "kv_bytes_device_peak": out["device_bytes_per_row"],
+            "kv_bytes_full": full,
+            "kv_ratio_vs_full": ratio(out["total_bytes_per_row"]),
+            "kv_device_ratio_vs_full": ratio(out["device_bytes_per_row"]),
+            # one step feeds one token to every row of a batch: rows / seconds per step
+            "decode_tokens_per_s": (round(min(n, cfg.recall_batch) / out["seconds_per_token"], 3)
+                                    if out["seconds_per_token"] else None),
+        }
+        runs.append({**record, **budget_fields(method, plan, record)})
+    return headline(runs)

@@ -28,6 +28,8 @@ COLUMNS = [
     Column("top1", "top-1", "output", "top1_agreement", "max"),
     Column("ppl", "ppl", "output", "ppl", "min", "{:.2f}"),
     Column("kl", "KL", "output", "kl", "min", "{:.4f}"),
+    Column("key_top1", "key top-1", "output", "key_top1_agreement", "max"),
+    Column("key_kl", "key KL", "output", "key_kl", "min", "{:.4f}"),
     Column("prompt_top1", "prompt top-1", "prompt", "top1_agreement", "max"),
     Column("greedy", "greedy agr", "reasoning", "greedy_agreement", "max"),
     Column("gsm8k", "GSM8K acc", "reasoning", "gsm8k_accuracy", "max", "{:.2f}"),

@@ -22,6 +22,7 @@ import torch
 from kvzip.bench import cells as bench_cells
 from kvzip.bench import workloads
 from kvzip.bench.config import BenchConfig, Setting
+from kvzip.bench.context import Budgeted
 from kvzip.errors import UserError
 from kvzip.runs import commit
 
@@ -31,12 +32,21 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _prepare(setting: Setting, model, source, dict_path):
-    """(method, dictionaries) or raises UserError explaining why the setting cannot run here."""
+def _prepare(setting: Setting, model, source, dict_path, cfg: BenchConfig):
+    """(method, dictionaries) or raises UserError explaining why the setting cannot run here. A setting at a budget
+    is a `Budgeted` (planned per length by each workload), tried here at a first length."""
+    from kvzip.budget import Shape
     from kvzip.dictfiles import dictionaries_for
 
     method = setting.build()
-    dictionaries = dictionaries_for(method, model, source, dict_path) if method.needs_dictionary else None
+    load = lambda m: dictionaries_for(m, model, source, dict_path)  # noqa: E731
+    if setting.budget is not None:
+        budgeted = Budgeted(setting.name, dict(setting.opts), setting.budget, cfg.budget_tier, Shape.of(model), load,
+                            method.keeps_prompt)
+        first, dictionaries, _ = budgeted.at(64, max(cfg.output_tokens))
+        first.make_cache(model, dictionaries)
+        return budgeted, None
+    dictionaries = load(method) if method.needs_dictionary else None
     method.make_cache(model, dictionaries)  # a method whose backend is missing says so here
     return method, dictionaries
 
@@ -106,7 +116,7 @@ def run_bench(model, tokenizer, source, settings: list[Setting], cfg: BenchConfi
     skipped, failed, results, ready = [], [], [], []
     for s in settings:
         try:
-            ready.append((s, *_prepare(s, model, source, dict_path)))
+            ready.append((s, *_prepare(s, model, source, dict_path, cfg)))
         except UserError as exc:
             if s.label == "full":
                 raise

@@ -26,59 +26,43 @@ When several lengths are measured, the headline fields are the longest one's and
 
 from __future__ import annotations
 
-import re
 import statistics
-from dataclasses import dataclass, field
 
 from kvzip import engine, evaluate
-from kvzip.stats import wilson_interval
+from kvzip.bench.context import Context, budget_fields, headline, resolve, run_generate
+from kvzip.bench.reasoning import reasoning
+from kvzip.bench.recall import recall, recall_units
 
 OUTPUT_PROMPT = "Work through the following problems and explanations step by step, one paragraph per step."
 
 
-@dataclass
-class Context:
-    """What every workload needs: the model, the config, `full`'s reference figures, a progress tick."""
-
-    model: object
-    tokenizer: object
-    cfg: object
-    tick: object = lambda n=1: None
-    ref: dict = field(default_factory=dict)  # filled while `full` runs, read by every other setting
-    _prose: list | None = None
-
-    def prose(self, n: int, offset: int = 0) -> list[int]:
-        """n tokens of held-out prose starting `offset` tokens in (rows use disjoint offsets)."""
-        if self._prose is None:
-            from kvzip.data import evaluation_prose
-
-            self._prose = self.tokenizer(evaluation_prose(), add_special_tokens=False)["input_ids"]
-        if len(self._prose) < offset + n:
-            raise ValueError(f"held-out prose has {len(self._prose)} tokens, {offset + n} needed")
-        return self._prose[offset : offset + n]
-
-    def chat_prompt(self, text: str) -> list[int]:
-        return engine.encode(self.tokenizer, text, raw=self.tokenizer.chat_template is None)
-
-
-def _headline(by_context: list[dict]) -> dict:
-    return {**by_context[-1], "by_context": by_context}
-
-
 def _forced(ctx: Context, label: str, key, method, dictionaries, prompts, forced) -> dict:
-    """One teacher-forced pass; `full`'s pass is kept as the reference under `key` for every later setting."""
-    cache = method.make_cache(ctx.model, dictionaries)
+    """One teacher-forced pass; `full`'s pass is kept as the reference under `key` for every later setting, beside
+    the key positions found against the short reference run right after it (kvzip.evaluate.key_positions)."""
+    m, d, plan = resolve(method, dictionaries, max(len(p) for p in prompts), len(forced[0]))
+    cache = m.make_cache(ctx.model, d)
     ref = ctx.ref.get(key)
+    progress = lambda done, total: ctx.tick(1)  # noqa: E731
     run = evaluate.teacher_forced(ctx.model, ctx.tokenizer, cache, prompts, forced, reference=ref,
-                                  keep_reference=label == "full", on_progress=lambda done, total: ctx.tick(1))
+                                  keep_reference=label == "full", on_progress=progress)
+    extra = {}
     if label == "full":
+        from kvzip.methods import get_method
+
         ctx.ref[key] = ref = run.reference
+        short = get_method("window", evaluate.SHORT_REFERENCE)
+        quick = evaluate.teacher_forced(ctx.model, ctx.tokenizer, short.make_cache(ctx.model), prompts, forced,
+                                        reference=ref)
+        ctx.ref[("key", *key)] = evaluate.key_positions(run.nll, quick.nll)
+        extra["short_reference"] = {"options": evaluate.SHORT_REFERENCE,
+                                    **quick.scores(ref, ctx.ref[("key", *key)])}
     fed = run.nll.numel() - len(prompts)
-    scores = run.scores(ref)
+    scores = run.scores(ref, ctx.ref.get(("key", *key)))
     if label == "full":
-        scores["kl"] = 0.0  # the reference itself
-    return {**scores, **run.report,
-            "decode_tokens_per_s": round(fed / run.decode_s, 3) if run.decode_s > 0 else None, "rows": len(prompts)}
+        scores["kl"] = scores["key_kl"] = 0.0  # the reference itself
+    record = {**scores, **run.report, **extra,
+              "decode_tokens_per_s": round(fed / run.decode_s, 3) if run.decode_s > 0 else None, "rows": len(prompts)}
+    return {**record, **budget_fields(method, plan, record)}
 
 
 def output(ctx: Context, label: str, method, dictionaries) -> dict:
@@ -89,7 +73,7 @@ def output(ctx: Context, label: str, method, dictionaries) -> dict:
         forced = [ctx.prose(length, row * longest) for row in range(cfg.output_rows)]
         record = _forced(ctx, label, ("output", length), method, dictionaries, [prompt] * cfg.output_rows, forced)
         runs.append({"context": length, "prompt_tokens": len(prompt), **record})
-    return _headline(runs)
+    return headline(runs)
 
 
 def prompt(ctx: Context, label: str, method, dictionaries) -> dict:
@@ -99,118 +83,12 @@ def prompt(ctx: Context, label: str, method, dictionaries) -> dict:
         prefix = length - cfg.prompt_positions
         record = _forced(ctx, label, ("prompt", length), method, dictionaries, [ids[:prefix]], [ids[prefix:]])
         runs.append({"context": length, **record})
-    return _headline(runs)
-
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def parse_answer(text: str) -> str | None:
-    """The final answer of a GSM8K-style solution: the number after `####`, else the last number in the text."""
-    if "####" in text:
-        found = _NUMBER.findall(text.rsplit("####", 1)[-1])[:1]
-    else:
-        found = _NUMBER.findall(text)[-1:]
-    return found[0].replace(",", "") if found else None
-
-
-def same_number(a: str | None, b: str) -> bool:
-    try:
-        return a is not None and abs(float(a) - float(b)) < 1e-6
-    except ValueError:
-        return False
-
-
-def agreement(full: list[int], other: list[int]) -> tuple[float, float]:
-    """(positional agreement over max length, common-prefix length over full's length)."""
-    n = max(len(full), len(other))
-    if n == 0:
-        return 1.0, 1.0
-    same = sum(a == b for a, b in zip(full, other))
-    prefix = next((i for i, (a, b) in enumerate(zip(full, other)) if a != b), min(len(full), len(other)))
-    return same / n, (prefix / len(full) if full else float(not other))
-
-
-def _run_generate(ctx: Context, method, dictionaries, prompts: list[list[int]], settings) -> tuple[list, dict, list]:
-    """(Results, the batch Summary's stats, seconds of each decode step) of one engine run, ticking per step."""
-    cache = method.make_cache(ctx.model, dictionaries)
-    results, summary, steps, last = [], {}, [], 0.0
-    for event in engine.uninterrupted(engine.generate(ctx.model, ctx.tokenizer, prompts, cache, settings)):
-        if isinstance(event, engine.Step):
-            if event.step > 0:
-                steps.append(event.elapsed_s - last)
-                ctx.tick(1)
-            last = event.elapsed_s
-        elif isinstance(event, engine.Result):
-            results.append(event)
-        elif isinstance(event, engine.Summary):
-            summary = event.stats
-    return results, summary, steps
-
-
-def reasoning(ctx: Context, label: str, method, dictionaries) -> dict:
-    from kvzip.data import gsm8k
-
-    cfg = ctx.cfg
-    problems = gsm8k("evaluation")[: cfg.reasoning_prompts]
-    settings = engine.Settings(max_new_tokens=cfg.reasoning_new_tokens)
-    outputs, summaries, steps = [], [], []
-    for start in range(0, len(problems), cfg.reasoning_batch):
-        chunk = problems[start : start + cfg.reasoning_batch]
-        prompts = [ctx.chat_prompt(f"{p['question']}\nSolve it step by step, then give the final number after '####'.")
-                   for p in chunk]
-        results, summary, times = _run_generate(ctx, method, dictionaries, prompts, settings)
-        outputs += results
-        summaries.append(summary)
-        steps += times
-    tokens = [r.token_ids for r in outputs]
-    if label == "full":
-        ctx.ref["reasoning"] = tokens
-    pairs = [agreement(f, m) for f, m in zip(ctx.ref["reasoning"], tokens)]
-    answers = [parse_answer(r.text) for r in outputs]
-    correct = [same_number(a, p["number"]) for a, p in zip(answers, problems)]
-    peak = max(summaries, key=lambda s: s["kv_bytes_peak"])  # the batch that held the most
-    n = len(correct)
-    acc = sum(correct) / n
-    return {
-        "greedy_agreement": round(sum(a for a, _ in pairs) / len(pairs), 4),
-        "greedy_prefix_agreement": round(sum(b for _, b in pairs) / len(pairs), 4),
-        "gsm8k_accuracy": round(acc, 4),
-        "gsm8k_accuracy_95ci": [round(x, 4) for x in wilson_interval(sum(correct), n)],
-        **{k: v for k, v in peak.items() if k.startswith("kv_")},
-        "decode_tokens_per_s": round(sum(len(t) for t in tokens) / sum(steps), 3) if steps else None,
-        "prompts": n,
-        "new_tokens": sum(len(t) for t in tokens),
-        "answers": [{"index": p["index"], "expected": p["number"], "parsed": a} for p, a in zip(problems, answers)],
-        "method_stats": peak.get("method_stats", {}),
-    }
-
-
-def recall(ctx: Context, label: str, method, dictionaries) -> dict:
-    from kvzip.bench.recall import recall_probe
-
-    cfg = ctx.cfg
-    out = recall_probe(ctx.model, ctx.tokenizer, method, n_trials=cfg.recall_trials, n_facts=cfg.recall_facts,
-                       filler_tokens=cfg.recall_filler, seed=cfg.seed, batch_size=cfg.recall_trials,
-                       dictionaries=dictionaries)
-    ctx.tick(recall_units(cfg))
-    full = out["full_bytes_per_row"]
-    ratio = lambda n: round(n / full, 4) if full else None  # noqa: E731
-    return {
-        **out,
-        "kv_bytes_peak": out["total_bytes_per_row"],
-        "kv_bytes_device_peak": out["device_bytes_per_row"],
-        "kv_bytes_full": full,
-        "kv_ratio_vs_full": ratio(out["total_bytes_per_row"]),
-        "kv_device_ratio_vs_full": ratio(out["device_bytes_per_row"]),
-        # one step feeds one token to every trial row at once: rows / seconds per step
-        "decode_tokens_per_s": round(cfg.recall_trials / out["seconds_per_token"], 3) if out["seconds_per_token"] else None,
-    }
+    return headline(runs)
 
 
 def _timed(ctx: Context, method, dictionaries, ids: list[int], settings) -> tuple[float, float, dict]:
     """(ttft seconds, decode tok/s as steps over their total time, the Summary's stats) of one generation."""
-    _, summary, steps = _run_generate(ctx, method, dictionaries, [ids], settings)
+    _, summary, steps = run_generate(ctx, method, dictionaries, [ids], settings)
     return summary["ttft_s"], len(steps) / sum(steps), summary
 
 
@@ -222,16 +100,18 @@ def speed(ctx: Context, label: str, method, dictionaries) -> dict:
         ctx.ref["full_method"] = method
     full = ctx.ref["full_method"]
     warm = engine.Settings(max_new_tokens=4, ignore_eos=True)
-    for m, d in ((method, dictionaries), (full, None)) if label != "full" else ((method, dictionaries),):
+    first = resolve(method, dictionaries, 64, 4)[:2]
+    for m, d in (first, (full, None)) if label != "full" else (first,):
         list(engine.uninterrupted(engine.generate(ctx.model, ctx.tokenizer, [ctx.prose(64)], m.make_cache(ctx.model, d),
                                                   warm)))
     settings = engine.Settings(max_new_tokens=cfg.speed_new_tokens, ignore_eos=True)
     runs = []
     for length in cfg.speed_contexts:
         ids = ctx.prose(length)
+        m, d, plan = resolve(method, dictionaries, length, cfg.speed_new_tokens)
         ttfts, rates, ratios, ttft_ratios, summary = [], [], [], [], {}
         for _ in range(cfg.repeats):
-            ttft, rate, summary = _timed(ctx, method, dictionaries, ids, settings)
+            ttft, rate, summary = _timed(ctx, m, d, ids, settings)
             ttfts.append(ttft)
             rates.append(rate)
             if label != "full":
@@ -240,14 +120,15 @@ def speed(ctx: Context, label: str, method, dictionaries) -> dict:
                 ttft_ratios.append(ttft / full_ttft)
             ctx.tick(length // 50)
         ttft = statistics.median(ttfts)
-        runs.append({"context": length, "ttft_s": round(ttft, 4), "prefill_tokens_per_s": round(length / ttft, 2),
-                     "decode_tokens_per_s": round(statistics.median(rates), 3), "repeats": cfg.repeats,
-                     "speed_ratio_vs_full": round(statistics.median(ratios), 3) if ratios else 1.0,
-                     "paired_speed_ratios": [round(r, 4) for r in ratios],
-                     "ttft_ratio_vs_full": round(statistics.median(ttft_ratios), 3) if ttft_ratios else 1.0,
-                     **{k: v for k, v in summary.items() if k.startswith("kv_")},
-                     "method_stats": summary.get("method_stats", {})})
-    return _headline(runs)
+        record = {"context": length, "ttft_s": round(ttft, 4), "prefill_tokens_per_s": round(length / ttft, 2),
+                  "decode_tokens_per_s": round(statistics.median(rates), 3), "repeats": cfg.repeats,
+                  "speed_ratio_vs_full": round(statistics.median(ratios), 3) if ratios else 1.0,
+                  "paired_speed_ratios": [round(r, 4) for r in ratios],
+                  "ttft_ratio_vs_full": round(statistics.median(ttft_ratios), 3) if ttft_ratios else 1.0,
+                  **{k: v for k, v in summary.items() if k.startswith("kv_")},
+                  "method_stats": summary.get("method_stats", {})}
+        runs.append({**record, **budget_fields(method, plan, record)})
+    return headline(runs)
 
 
 def capacity_prompts(ctx: Context, rows: int) -> list[list[int]]:
@@ -261,9 +142,12 @@ def capacity_prompts(ctx: Context, rows: int) -> list[list[int]]:
 def _capacity_probe(ctx: Context, method, dictionaries) -> tuple[engine.Settings, dict]:
     """(the capacity settings, the Summary stats of one row, the longest prompt, generated to the capacity length)."""
     settings = engine.Settings(max_new_tokens=ctx.cfg.capacity_tokens, ignore_eos=True)
-    longest = max(capacity_prompts(ctx, ctx.cfg.capacity_max_rows), key=len)  # a batch pads every row to its longest
-    _, probe, _ = _run_generate(ctx, method, dictionaries, [longest], settings)
+    _, probe, _ = run_generate(ctx, method, dictionaries, [_longest(ctx)], settings)
     return settings, probe
+
+
+def _longest(ctx: Context) -> list[int]:
+    return max(capacity_prompts(ctx, ctx.cfg.capacity_max_rows), key=len)  # a batch pads every row to its longest
 
 
 CAPACITY_TRIES = 3  # batches measured at most, each sized by the bytes per row of the last one
@@ -278,6 +162,8 @@ def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
     from kvzip.bench.config import FULL_ROWS_IN_BUDGET
 
     cfg = ctx.cfg
+    setting = method
+    method, dictionaries, plan = resolve(method, dictionaries, len(_longest(ctx)), cfg.capacity_tokens)
     settings, probe = _capacity_probe(ctx, method, dictionaries)
     per_row, per_row_device = probe["kv_bytes_peak"], probe["kv_bytes_device_peak"]
     # full's own first batch sets the default budget (below); the other settings read it from full's run
@@ -285,7 +171,7 @@ def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
     rows = FULL_ROWS_IN_BUDGET if budget is None else max(1, min(cfg.capacity_max_rows, budget // max(per_row, 1)))
     tries, best = [], None  # best: (rows, summary) of the largest batch that fit
     while True:
-        _, summary, _ = _run_generate(ctx, method, dictionaries, capacity_prompts(ctx, rows), settings)
+        _, summary, _ = run_generate(ctx, method, dictionaries, capacity_prompts(ctx, rows), settings)
         peak = summary["kv_bytes_peak"]
         if budget is None:
             budget = ctx.ref["capacity_budget"] = peak
@@ -300,7 +186,8 @@ def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
         rows = nxt
     rows, summary = best or (rows, summary)
     peak = summary["kv_bytes_peak"]
-    return {
+    kv = {k: v for k, v in summary.items() if k.startswith("kv_")}
+    return {**budget_fields(setting, plan, kv),
         "kv_budget": budget,
         "kv_bytes_per_row": per_row,
         "kv_bytes_device_per_row": per_row_device,
@@ -316,10 +203,6 @@ def capacity(ctx: Context, label: str, method, dictionaries) -> dict:
         "decode_tokens_per_s": summary["decode_tokens_per_s"],  # aggregate over the batch
         "method_stats": summary.get("method_stats", {}),
     }
-
-
-def recall_units(cfg) -> int:
-    return cfg.recall_filler + 60  # the trials are fed as one batch: one step per forced token
 
 
 def units(cfg, workload: str) -> int:
@@ -351,7 +234,7 @@ def reference(ctx: Context, workload: str, full) -> None:
 
     if workload == "capacity":
         settings = engine.Settings(max_new_tokens=ctx.cfg.capacity_tokens, ignore_eos=True)
-        _, summary, _ = _run_generate(ctx, full, None, capacity_prompts(ctx, FULL_ROWS_IN_BUDGET), settings)
+        _, summary, _ = run_generate(ctx, full, None, capacity_prompts(ctx, FULL_ROWS_IN_BUDGET), settings)
         ctx.ref["capacity_budget"] = summary["kv_bytes_peak"]
     else:
         RUNNERS[workload](ctx, "full", full, None)

@@ -50,7 +50,8 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def _config(quick: bool, workloads: str | None, contexts: str | None, prompts: int | None, new_tokens: int | None,
             repeats: int | None, output_tokens: str | None = None, rows: int | None = None,
-            kv_budget: str | None = None, capacity_tokens: int | None = None):
+            kv_budget: str | None = None, capacity_tokens: int | None = None, budgets: str | None = None,
+            budget_tier: str | None = None):
     from kvzip.bench import WORKLOADS, BenchConfig
     from kvzip.bench.config import parse_bytes
 
@@ -73,6 +74,14 @@ def _config(quick: bool, workloads: str | None, contexts: str | None, prompts: i
         changes["kv_budget"] = flagged("--kv-budget", parse_bytes, kv_budget)
     if capacity_tokens is not None:
         changes["capacity_tokens"] = capacity_tokens
+    if budgets is not None:
+        from kvzip.cli.options import check_fractions
+
+        changes["budgets"] = check_fractions(budgets)
+    if budget_tier is not None:
+        if not budgets:
+            raise UserError("--budget-tier says what --budgets counts: give --budgets too")
+        changes["budget_tier"] = budget_tier
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
@@ -137,6 +146,8 @@ def bench(
     new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", help="Greedy tokens per reasoning problem (default 256; --quick 32).")] = None,
     kv_budget: Annotated[Optional[str], typer.Option("--kv-budget", help="KV memory (all tiers) the capacity workload fills, e.g. 256MiB (default: what full needs for 8 rows).")] = None,
     capacity_tokens: Annotated[Optional[int], typer.Option("--capacity-tokens", help="New tokens per row in the capacity workload (default 1024; --quick 256).")] = None,
+    budgets: Annotated[Optional[str], typer.Option("--budgets", help="Fractions of full's KV bytes, e.g. 0.125,0.25,0.5: every method other than full runs at each, its options planned per length (docs/benchmarking.md).")] = None,
+    budget_tier: Annotated[Optional[str], typer.Option("--budget-tier", help="What --budgets counts: all (every tier, default) or device (what attention needs resident).")] = None,
     repeats: Annotated[Optional[int], typer.Option("--repeats", help="Paired speed measurements per context, median reported (default 2; --quick 1).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the resolved config and every figure here (atomic).")] = None,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="PNG: top-1 agreement vs KV memory, Pareto front drawn; with the capacity workload, throughput at equal memory beside it (NAME-capacity.png), or here when output did not run.")] = None,
@@ -155,7 +166,8 @@ def bench(
     try:
         flags = dict(quick=quick, methods=methods, opt=opt, method_set=method_set, workloads=workloads,
                      output_tokens=output_tokens, rows=rows, contexts=contexts, prompts=prompts, new_tokens=new_tokens,
-                     kv_budget=kv_budget, capacity_tokens=capacity_tokens, repeats=repeats, json_path=json_path,
+                     kv_budget=kv_budget, capacity_tokens=capacity_tokens, budgets=budgets, budget_tier=budget_tier,
+                     repeats=repeats, json_path=json_path,
                      plot_path=plot_path, model=model, dict_path=dict_path, device=device, dtype=dtype, resume=resume)
         job = distributed.agree(world, lambda: _check(world, **flags), cli_words)
         _run(job, world, model, dtype, trust_remote_code)
@@ -166,15 +178,18 @@ def bench(
 
 
 def _check(world, quick, methods, opt, method_set, workloads, output_tokens, rows, contexts, prompts, new_tokens,
-           kv_budget, capacity_tokens, repeats, json_path, plot_path, model, dict_path, device, dtype, resume):
+           kv_budget, capacity_tokens, budgets, budget_tier, repeats, json_path, plot_path, model, dict_path, device,
+           dtype, resume):
     """Every check of the flags and files, before the model loads: the run's settings, config, paths and record."""
     from kvzip.bench import parse_settings
+    from kvzip.bench.config import at_budgets
     from kvzip.methods import METHODS
     from kvzip.models import resolve_device, resolve_dtype
     from kvzip.runs import commit, file_digest
 
-    settings = parse_settings(methods, opt, method_set, list(METHODS))
-    cfg = _config(quick, workloads, contexts, prompts, new_tokens, repeats, output_tokens, rows, kv_budget, capacity_tokens)
+    cfg = _config(quick, workloads, contexts, prompts, new_tokens, repeats, output_tokens, rows, kv_budget, capacity_tokens,
+                  budgets, budget_tier)
+    settings = at_budgets(parse_settings(methods, opt, method_set, list(METHODS)), cfg.budgets)
     if plot_path is not None:
         if plot_path.suffix.lower() != ".png":
             raise UserError(f"--plot writes a PNG: give a path ending in .png, got {plot_path}")
@@ -196,8 +211,8 @@ def _check(world, quick, methods, opt, method_set, workloads, output_tokens, row
     check_device(device, dtype)
     dev = flagged("--device", world.device, resolve_device(device))
     record = {"model": model, "dict": file_digest(dict_path) if dict_path else None, "config": cfg.describe(),
-              "settings": [{"label": s.label, "method": s.name, "options": s.build().describe()["options"]}
-                           for s in settings],
+              "settings": [{"label": s.label, "method": s.name, "options": s.build().describe()["options"],
+                            "budget": s.budget} for s in settings],
               "device": dev.type, "dtype": str(resolve_dtype(dtype, dev)).replace("torch.", "")}
     return types.SimpleNamespace(settings=settings, cfg=cfg, json_path=json_path, plot_path=plot_path,
                                  dict_path=dict_path, device=dev, resume=resume,
@@ -290,6 +305,12 @@ def _report(data: dict, job, interrupted_hint: str) -> None:
     display.out.print(_table(data))
     for note in data["skipped"]:
         display.console.print(f"[yellow]skipped[/yellow] {note['label']}{' ' + note['workload'] if 'workload' in note else ''}: {note['reason']}")
+    for r in data["results"]:
+        for e in r.get("by_context") or [r]:
+            if e.get("budget_mark"):
+                at = f" at {e['context']}" if "context" in e else ""
+                display.console.print(f"[yellow]off budget[/yellow] {r['label']} {r['workload']}{at}: {e['budget_mark']}",
+                                      soft_wrap=True)
     for fail in data["failed"]:
         display.console.print(f"[red]failed[/red] {fail['label']} {fail['workload']}: {fail['error']}")
     env = data["environment"]

@@ -6,6 +6,7 @@ user typed in front, so a message says both what is wrong and where it came from
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Optional, TypeVar
@@ -98,3 +99,24 @@ def check_device(device: str, dtype: str) -> None:
     from kvzip.models import resolve_device, resolve_dtype
 
     flagged("--dtype", resolve_dtype, dtype, flagged("--device", resolve_device, device))
+
+
+def check_fraction(text: str, flag: str = "--budget") -> float:
+    """A budget as the user typed it -> F, or a UserError saying what is allowed."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise UserError(f"{flag} takes a fraction of full's KV bytes in (0, 1], e.g. 0.25; got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise UserError(f"{flag} takes a fraction of full's KV bytes in (0, 1], e.g. 0.25; got {text!r}")
+    return value
+
+
+def check_fractions(text: str, flag: str = "--budgets") -> tuple[float, ...]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise UserError(f"{flag} takes comma-separated fractions of full's KV bytes in (0, 1], e.g. 0.125,0.25")
+    values = tuple(check_fraction(p, flag) for p in parts)
+    if len(set(values)) != len(values):
+        raise UserError(f"{flag} lists the same budget twice: {text!r}")
+    return values

@@ -132,27 +132,29 @@ class _Quanto(Method):
     def plan_budget(self, budget, fixed):
         """The bit width is the method's; F sets the residual (up to `residual_length - 1` newest tokens in full
         precision) and, when even a 16-token residual does not fit, the group size (a scale and a shift in the
-        model's dtype per `q_group_size` values) grows to 128."""
+        model's dtype per `q_group_size` values) grows to the widest that divides the head size (up to 128)."""
         from kvzip.budget import Plan
 
         t, e = budget.tokens, budget.shape.element_size
-        groups = [self.q_group_size] if "q_group_size" in fixed else sorted({self.q_group_size, 128})
+        widest = max(g for g in (16, 32, 64, 128) if budget.shape.head_dim % g == 0)  # a group stays in one head
+        groups = [self.q_group_size] if "q_group_size" in fixed else sorted({min(self.q_group_size, widest), widest})
 
         def expected(group: int, residual: int) -> float:
-            code = (self.bits / 8 + 2 * e / group) / e
-            kept = min(residual - 1, t)
-            return (kept + (t - kept) * code) / t
+            """The peak: the prompt is quantized, then the residual grows to `residual - 1` tokens and is quantized
+            with everything on the next one; the most is held just before the last such step, or at the end."""
+            code, n = (self.bits / 8 + 2 * e / group) / e, budget.new_tokens
+            held = lambda k: (k % residual) + (budget.prompt_tokens + k - k % residual) * code  # noqa: E731
+            last_full = n - (n + 1) % residual  # the last k <= n where the residual holds residual - 1 tokens
+            return max(held(n), held(last_full) if last_full >= 0 else 0.0) / t
 
         for group in groups:
             if "residual_length" in fixed:
                 if expected(group, self.residual_length) <= budget.fraction * 1.1:
                     return Plan({"q_group_size": group}, expected(group, self.residual_length))
                 continue
-            code = (self.bits / 8 + 2 * e / group) / e
-            residual = int((budget.fraction - code) * t / (1 - code)) + 1
-            if residual >= 16:
-                residual = min(residual, t + 1)
-                return Plan({"q_group_size": group, "residual_length": residual}, expected(group, residual))
+            fits = [r for r in range(min(budget.new_tokens + 1, 1 << 20), 15, -1) if expected(group, r) <= budget.fraction]
+            if fits:
+                return Plan({"q_group_size": group, "residual_length": fits[0]}, expected(group, fits[0]))
         residual = self.residual_length if "residual_length" in fixed else 16
         smallest = {k: v for k, v in (("q_group_size", groups[-1]), ("residual_length", residual)) if k not in fixed}
         return _fixed_plan(budget, expected(groups[-1], residual), f"int{self.bits}", smallest)

@@ -29,14 +29,18 @@ def thought_tokens(options, max_thought: int | None = None) -> int:
 
 def device_tokens(budget: Budget, window: int, summaries: int, zoom: int, thought: int, max_thought: int,
                   index: bool) -> float:
-    """Peak device tokens (in `full`'s K and V bytes a token) of a thought cache with these options."""
+    """Peak device tokens (in `full`'s K and V bytes a token) of a thought cache with these options: the prompt,
+    the tail (the window or an open thought of average length, whichever is longer, plus the quarter window it
+    lags), the summaries of the thoughts before it, the zoomed thoughts' other tokens, and zoomr's index (a key
+    and a length per thought and KV head, in the model's dtype)."""
     t, p = budget.tokens, budget.prompt_tokens
-    tail = max(window, min(max_thought, 2 * thought)) + window // 4
-    thoughts = max(t - p - window, 0) / thought
-    held = p + min(tail, max(t - p, 0)) + summaries * thoughts + zoom * thought
-    if index:  # one fp32 key per thought per layer and KV head, against a token's K and V in the model's dtype
-        held += thoughts * 4 / (2 * budget.shape.element_size)
-    return min(held, t + (thoughts * 4 / (2 * budget.shape.element_size) if index else 0))
+    tail = min(max(window, thought) + window // 4, max(t - p, 0))
+    thoughts = max(t - p - tail, 0) / thought
+    held = p + tail + summaries * thoughts + zoom * max(thought - summaries, 0)
+    if index:
+        d = budget.shape.head_dim
+        held += thoughts * (d + 1) / (2 * d)
+    return held
 
 
 def caps(options, fixed) -> list[int]:

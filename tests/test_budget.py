@@ -1,0 +1,124 @@
+"""Fast tier: one memory budget for every method (kvzip/budget.py, each method's `plan_budget`).
+
+Every registered method, planned for F of full's bytes, holds what its plan expects (the byte model of each method
+is right) and lands within the tolerance of F where its plan says it can, at two lengths (the matrix finds a new
+method by itself: a method without a budget mapping fails here). Also: bad budgets, the options a budget sets and
+the user's, the key positions against a hand-computed example.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvzip import evaluate
+from kvzip.budget import TOLERANCE, Budget, Shape, plan
+from kvzip.cli.options import check_fraction, check_fractions
+from kvzip.errors import UserError
+from kvzip.methods import get_method
+from tests.matrix import METHOD_NAMES
+
+PROMPT = list(range(10, 30))
+LENGTHS = (320, 480)
+FRACTIONS = (0.25, 0.5)
+
+
+def _text(tokenizer, n: int) -> list[int]:
+    """n byte tokens of the held-out prose, a paragraph break every ~60 bytes: thoughts as long as the budget's
+    estimate (kvzip/methods/thoughts/budget.py), which counts the default model's tokens, ~4 bytes each."""
+    import textwrap
+
+    from kvzip.data import evaluation_prose
+
+    text = "\n\n".join(textwrap.wrap(evaluation_prose()[: 2 * n], 58))
+    return tokenizer(text, add_special_tokens=False)["input_ids"][1 : n + 1]
+
+
+def _measure(tiny, tokenizer, dictionaries, name, fraction, length, tier="all"):
+    budget = Budget(fraction, len(PROMPT), length, Shape.of(tiny), tier)
+    p = plan(name, budget)
+    method = get_method(name, p.options)
+    cache = method.make_cache(tiny, dictionaries if method.needs_dictionary else None)
+    run = evaluate.teacher_forced(tiny, tokenizer, cache, [PROMPT], [_text(tokenizer, length)])
+    key = "kv_device_ratio_vs_full" if tier == "device" else "kv_ratio_vs_full"
+    return p, run.report[key]
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_every_method_lands_on_its_budget(tiny, tokenizer, tiny_dictionaries, name):
+    if name.startswith("hf-int"):
+        pytest.importorskip("optimum.quanto")
+    landed = {}
+    for fraction in FRACTIONS:
+        for length in LENGTHS:
+            p, measured = _measure(tiny, tokenizer, tiny_dictionaries, name, fraction, length)
+            if p.note:  # the plan said F is out of its reach (a floor, a fixed format): the cell is indeed marked
+                assert abs(measured / fraction - 1) > TOLERANCE, (fraction, length, p, measured)
+                continue
+            # the plan's byte model holds: the cache holds what the plan expected, which is F
+            assert abs(measured / p.expected - 1) <= TOLERANCE, (fraction, length, p, measured)
+            assert abs(measured / fraction - 1) <= TOLERANCE, (fraction, length, p, measured)
+            landed.setdefault(fraction, []).append(length)
+    if name != "full":
+        assert any(sorted(v) == list(LENGTHS) for v in landed.values()), f"{name} reached no budget at both lengths"
+
+
+def test_zoomr_on_the_device_tier(tiny, tokenizer):
+    for length in LENGTHS:
+        p, measured = _measure(tiny, tokenizer, None, "zoomr", 0.5, length, tier="device")
+        assert not p.note and abs(measured / 0.5 - 1) <= TOLERANCE, (length, p, measured)
+
+
+def test_a_budget_the_method_cannot_reach_is_noted():
+    shape = Shape(layers=30, heads=9, kv_heads=3, head_dim=64, element_size=2)
+    fp8 = plan("hf-fp8", Budget(0.125, 46, 2048, shape))
+    assert "0.500" in fp8.note
+    full = plan("full", Budget(0.25, 46, 2048, shape))
+    assert full.note == "full keeps every token"
+    window = plan("window", Budget(0.125, 46, 2048, shape))
+    assert not window.note and int(window.options["window"]) + int(window.options["sinks"]) == int(0.125 * 2094)
+
+
+def test_budget_options_and_user_options():
+    shape = Shape(layers=30, heads=9, kv_heads=3, head_dim=64, element_size=2)
+    budget = Budget(0.25, 46, 4096, shape)
+    kept = plan("zoomr", budget, {"detail": "int8", "vote_decay": "0.5"})
+    assert kept.options["detail"] == "int8" and kept.options["vote_decay"] == "0.5"
+    with pytest.raises(UserError, match="the budget sets window"):
+        plan("window", budget, {"window": "100"})
+    fixed = plan("fadkv", budget, {"sparsity": "4"})
+    assert fixed.options["sparsity"] == "4" and int(fixed.options["buffer"]) > 128
+
+
+@pytest.mark.parametrize("text", ["0", "-0.5", "1.5", "abc", "nan", "inf", ""])
+def test_bad_budgets_are_refused(text):
+    with pytest.raises(UserError, match=r"in \(0, 1\]"):
+        check_fraction(text)
+    with pytest.raises(UserError):
+        check_fractions(text)
+
+
+def test_budget_lists():
+    assert check_fractions("0.125, 0.25,1") == (0.125, 0.25, 1.0)
+    with pytest.raises(UserError, match="twice"):
+        check_fractions("0.25,0.25")
+
+
+def test_key_positions_by_hand():
+    # full's and the short reference's negative log-likelihoods at five positions
+    full = torch.tensor([[0.5, 1.9, 3.0, 0.1, 2.5]])
+    short = torch.tensor([[3.0, 3.0, 6.0, 2.2, 5.0]])
+    # gains 2.5, 1.1, 3.0, 2.1, 2.5; full's log-probability -0.5, -1.9, -3.0, -0.1, -2.5
+    assert evaluate.key_positions(full, short).tolist() == [[True, False, False, True, False]]
+
+
+def test_key_scores_average_over_key_positions_only():
+    forced = evaluate.Forced(nll=torch.tensor([[1.0, 2.0, 3.0]]), top1=torch.tensor([[5, 6, 7]]),
+                             kl=torch.tensor([[0.1, 0.2, 0.3]]), reference=None, report={}, decode_s=1.0)
+    ref = evaluate.Reference(top1=torch.tensor([[5, 0, 7]]), top_ids=None, top_logprobs=None)
+    scores = forced.scores(ref, torch.tensor([[False, True, True]]))
+    assert scores["key_positions"] == 2 and scores["key_top1_agreement"] == 0.5
+    assert scores["key_kl"] == pytest.approx(0.25) and scores["key_ppl"] == pytest.approx(2.71828 ** 2.5, rel=1e-4)
+    assert scores["top1_agreement"] == pytest.approx(2 / 3, abs=1e-4)
+    none = forced.scores(ref, torch.zeros(1, 3, dtype=torch.bool))
+    assert none["key_positions"] == 0 and none["key_top1_agreement"] is None
