@@ -115,6 +115,12 @@ def plan(name: str, budget: Budget, opts: dict[str, str] | None = None) -> Plan:
     return Plan({**opts, **{k: str(v) for k, v in p.options.items()}}, p.expected, p.note, budget.fraction)
 
 
+def check_options(name: str, fraction: float, opts: dict[str, str] | None = None) -> None:
+    """A UserError now, before any model loads, for options the budget would set too: the plan on a nominal shape
+    (a 64-wide head in bf16) names the options it sets."""
+    plan(name, Budget(fraction, 64, 1024, Shape(layers=1, heads=1, kv_heads=1, head_dim=64, element_size=2)), opts)
+
+
 def at_budget(name: str, fraction: float, model, prompt_tokens: int, new_tokens: int, tier: str = "all",
               opts: dict[str, str] | None = None):
     """(method, plan): method `name` built for F of `full`'s bytes on `model` for that many tokens (the Python face of

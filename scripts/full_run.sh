@@ -13,7 +13,7 @@
 #
 # The bench runs from a worktree of the tag (../kvzip-TAG beside this checkout, made on first use), so what is
 # measured is the tag's code whatever this checkout holds; its JSON, plot and, while a part is unfinished, its pieces
-# folder land in kvzip/bench/results/TAG/ here, to be committed. Running a part again resumes it (`--resume`, in the
+# folder land in results/TAG/ here, to be committed. Running a part again resumes it (`--resume`, in the
 # dtype the part began in: the bench refuses when the commit or the settings differ). Stop a part with Ctrl-C or
 # SIGTERM: the cell in flight is lost, every finished one is already in the pieces folder (the first tag's bench,
 # results-1, did not stop inside a generated batch: stop that one with SIGKILL). speed pairs each method with `full`
@@ -24,7 +24,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 tag=${KVZIP_RESULTS_TAG:-results-2}
 tree=${KVZIP_RESULTS_TREE:-$(dirname "$root")/kvzip-$tag}
-out=$root/kvzip/bench/results/$tag
+out=$root/results/$tag
 part=${1:-}
 shift || true
 

@@ -1,4 +1,4 @@
-"""Regenerate every results table in README.md and docs/*.md from the bench JSON committed in kvzip/bench/results/.
+"""Regenerate every results table in README.md and docs/*.md from the bench JSON committed in results/.
 
 A table lives between two markers; the opening one says what to draw:
 
@@ -6,7 +6,7 @@ A table lives between two markers; the opening one says what to draw:
     ...generated text, rewritten by this script...
     <!-- /results:quick -->
 
-Attributes: `file` (a JSON file in kvzip/bench/results/, or a path from the repository root), `caption=short` (name
+Attributes: `file` (a JSON file in results/, or a path from the repository root), `caption=short` (name
 the file and commit only, for a later table of a JSON whose caption is already on the page), `view` (`summary`:
 one row per setting and the headline columns of every workload; `workload`: every column present in one workload's
 records; `contexts`: one field of one workload at each context length), `workload`, `field` (for `contexts`),
@@ -34,13 +34,14 @@ from pathlib import Path
 from kvzip.stats import wilson_interval
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path("kvzip") / "bench" / "results"
+RESULTS = Path("results")
 BLOCK = re.compile(r"<!-- results:(?P<name>[\w.-]+)(?P<attrs>[^>]*?)-->(?P<body>.*?)<!-- /results:(?P=name) -->",
                    re.DOTALL)
 OPENING = re.compile(r"<!-- results:([\w.-]+)")
 FENCE = re.compile(r"(^```.*?^```[^\n]*$)", re.DOTALL | re.MULTILINE)
-# A path the bench recorded as given (often absolute), shown from the repository root: `.../kvzip/bench/results/x`.
-RESULTS_PATH = re.compile(r"\S*/(kvzip/bench/results/\S*)")
+# A path the bench recorded as given (often absolute), shown from the repository root: `.../results/x` (and the
+# package's old results folder, `.../kvzip/bench/results/x`, which earlier runs wrote to).
+RESULTS_PATH = re.compile(r"\S*?/((?:kvzip/bench/)?results/\S*)")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
@@ -81,12 +82,20 @@ COLUMNS = {
     "batch_in_budget": Column("batch in budget", "{}"),
     "rows_device_tier": Column("batch if device KV alone counted", "{}"),
     "peak_vs_budget": Column("KV peak / budget", "{:.2f}"),
+    "budget": Column("budget", "{:g}"),
+    "budget_ratio": Column("KV / full, measured"),
+    "budget_mark": Column("off budget: why", "{}"),
     "top1_agreement": Column("top-1"),
     "ppl": Column("ppl", "{:.2f}"),
     "kl": Column("KL", "{:.4f}"),
+    "key_positions": Column("key positions", "{}"),
+    "key_top1_agreement": Column("key top-1"),
+    "key_kl": Column("key KL", "{:.4f}"),
+    "key_ppl": Column("key ppl", "{:.2f}"),
     "greedy_agreement": Column("greedy agreement"),
     "gsm8k_accuracy": Column("GSM8K accuracy, 95% CI", "ci"),
-    "recall_accuracy": Column("recall", "{:.2f}"),
+    "recall_accuracy": Column("recall, 95% CI", "ci"),
+    "chance": Column("chance", "{:.2f}"),
     "decode_tokens_per_s": Column("decode tok/s", "{:.1f}"),
     "speed_ratio_vs_full": Column("speed / full", "{:.2f}"),
     "decode_tokens_per_s_end": Column("decode tok/s, last steps", "{:.1f}"),
@@ -127,7 +136,7 @@ def cell(record: dict, key: str, env: dict) -> str:
     if fmt == "bytes":
         return f"{v / 2**20:.1f} MiB"
     if fmt == "ci":  # a Wilson interval from the count, whatever the file recorded (a normal approximation before)
-        n = record.get("prompts") or 0
+        n = record.get("prompts") or record.get("trials") or 0
         if not n:
             return f"{v:.2f}"
         k = round(v * n)
@@ -167,9 +176,24 @@ def records_of(data: dict, workload: str) -> list[dict]:
     return found
 
 
+def at_context(records: list[dict], attrs: dict) -> list[dict]:
+    """With `context=N`, each record's entry at that length (labelled as the record); the records as they are
+    otherwise."""
+    if "context" not in attrs:
+        return records
+    want, out = int(attrs["context"]), []
+    for r in records:
+        entry = next((c for c in r.get("by_context", [r]) if c.get("context") == want), None)
+        if entry is not None:
+            out.append({**entry, "label": r["label"]})
+    if not out:
+        raise BlockError(f"no '{attrs.get('workload')}' record was measured at context {want}")
+    return out
+
+
 def view_workload(data: dict, attrs: dict) -> list[str]:
     env = data.get("environment", {})
-    records = records_of(data, attrs.get("workload", ""))
+    records = at_context(records_of(data, attrs.get("workload", "")), attrs)
     keys = attrs["columns"].split(",") if "columns" in attrs else auto_columns(records, env)
     missing = [k for k in keys if not present(records, k, env)]
     if missing:
@@ -271,7 +295,7 @@ def notes(data: dict, workload: str | None) -> list[str]:
 
 
 def json_path(attrs: dict, root: Path) -> Path:
-    """The JSON a marker names: a path from the repository root, or a bare name in kvzip/bench/results/."""
+    """The JSON a marker names: a path from the repository root, or a bare name in results/."""
     if "file" not in attrs:
         raise BlockError("the marker names no file=...")
     return root / attrs["file"] if "/" in attrs["file"] else root / RESULTS / attrs["file"]

@@ -10,7 +10,7 @@ context, where a smaller cache should pay most), and the last repeat's ratio in 
 bench`'s, so docs tables can be generated from it (scripts/results_tables.py).
 
     .venv/bin/python scripts/throughput.py --methods full,fadkv,zoomr --batch 8 --new-tokens 1024 \\
-        --json kvzip/bench/results/throughput_cpu.json
+        --json results/throughput.json
 """
 
 from __future__ import annotations

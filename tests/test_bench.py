@@ -269,6 +269,13 @@ def test_accuracy_interval_is_wilson():
     (["--opt", "window=3"], "method.key=value"),
     (["--dict", "/nonexistent/d.safetensors"], "does not exist"),
     (["--repeats", "0"], "repeats must be at least 1"),
+    (["--budgets", "0"], "--budgets takes a fraction of full's KV bytes in (0, 1]"),
+    (["--budgets", "0.25,1.5"], "--budgets takes a fraction of full's KV bytes in (0, 1]"),
+    (["--budgets", "a quarter"], "--budgets takes a fraction of full's KV bytes in (0, 1]"),
+    (["--budgets", "0.25,0.25"], "--budgets lists the same budget twice"),
+    (["--budget-tier", "device"], "--budget-tier says what --budgets counts"),
+    (["--budgets", "0.25", "--budget-tier", "gpu"], "budget tier 'gpu' is not allowed"),
+    (["--budgets", "0.25", "--opt", "window.window=9", "--methods", "full,window"], "the budget sets window"),
 ])
 def test_cli_user_errors_are_one_line_exit_2(args, message, capsys, monkeypatch):
     import sys

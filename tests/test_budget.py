@@ -122,3 +122,45 @@ def test_key_scores_average_over_key_positions_only():
     assert scores["top1_agreement"] == pytest.approx(2 / 3, abs=1e-4)
     none = forced.scores(ref, torch.zeros(1, 3, dtype=torch.bool))
     assert none["key_positions"] == 0 and none["key_top1_agreement"] is None
+
+
+def test_a_resumed_budget_sweep_reruns_no_finished_cell(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """Ctrl-C in the middle of `kvzip bench --budgets`, then `--resume`: the cells finished before the interrupt are
+    not measured again (full runs again only as the reference of the cells left), and the JSON holds every cell."""
+    import json
+    import sys
+
+    from kvzip.bench import workloads
+    from kvzip.cli import main
+    from tests.conftest import interrupt_at_step
+
+    out = tmp_path / "sweep.json"
+    args = ["kvzip", "bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--methods", "full,window,h2o",
+            "--budgets", "0.25,0.5", "--workloads", "output", "--output-tokens", "40", "--rows", "1", "--json", str(out)]
+    measured = []
+    output = workloads.RUNNERS["output"]
+
+    def counting(ctx, label, method, dictionaries):
+        measured.append(label)
+        return output(ctx, label, method, dictionaries)
+
+    monkeypatch.setitem(workloads.RUNNERS, "output", counting)
+    steps = interrupt_at_step(monkeypatch, 40 * 2 + 40 * 2 + 10)  # full (and its short reference), window's 2 cells
+    monkeypatch.setattr(sys, "argv", args)
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code == 130 and len(steps) == 170
+    first = list(measured)
+    assert first == ["full", "window@0.25", "window@0.5", "h2o@0.25"]
+    monkeypatch.undo()
+    monkeypatch.setitem(workloads.RUNNERS, "output", counting)
+    measured.clear()
+    monkeypatch.setattr(sys, "argv", args + ["--resume"])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code == 0
+    assert measured == ["full", "h2o@0.25", "h2o@0.5"]  # full as the reference only
+    data = json.loads(out.read_text())
+    assert [r["label"] for r in data["results"]] == ["full", "window@0.25", "window@0.5", "h2o@0.25", "h2o@0.5"]
+    assert all(r["budget"] in (0.25, 0.5) for r in data["results"][1:])
+    capsys.readouterr()

@@ -32,7 +32,7 @@ def copy_docs(dest: Path) -> None:
     """README.md, docs/ and the bench results, laid out as in the repository."""
     shutil.copy(ROOT / "README.md", dest / "README.md")
     shutil.copytree(ROOT / "docs", dest / "docs")
-    shutil.copytree(ROOT / "kvzip" / "bench" / "results", dest / "kvzip" / "bench" / "results")
+    shutil.copytree(ROOT / "results", dest / "results", ignore=shutil.ignore_patterns("*.parts"))
 
 
 def test_results_tables_match_the_committed_json():
@@ -71,7 +71,7 @@ def _record(label, workload, peak, device, full, **fields):
 
 def test_columns_follow_the_fields_of_a_newer_bench_file(tmp_path):
     data = {
-        "command": "kvzip bench --workloads output --json /somewhere/kvzip/bench/results/new.json",
+        "command": "kvzip bench --workloads output --json /somewhere/results/new.json",
         "environment": {"commit": "0123456789abcdef", "dtype": "float32", "date": "2027-01-02T03:04:05+00:00"},
         "config": {"workloads": ["output", "prompt"], "output_tokens": [768], "output_rows": 2},
         "settings": [{"label": "full"}, {"label": "zoomr"}],
@@ -80,7 +80,7 @@ def test_columns_follow_the_fields_of_a_newer_bench_file(tmp_path):
         "skipped": [{"label": "zoomr", "workload": "prompt", "reason": "keeps the prompt in full by design"}],
         "failed": [], "run": {"id": "77aa01c2b3d4", "earlier_cells": 1},  # resumed
     }
-    results = tmp_path / "kvzip" / "bench" / "results"
+    results = tmp_path / "results"
     results.mkdir(parents=True)
     (results / "new.json").write_text(json.dumps(data))
     readme = tmp_path / "README.md"
@@ -96,9 +96,9 @@ def test_columns_follow_the_fields_of_a_newer_bench_file(tmp_path):
     text = readme.read_text()
     assert "| method | KV / full | device KV / full | KV / fp16 full |" in text
     assert "| zoomr | 0.750 | 0.250 | 1.500 |" in text and "| full | 1.000 | 1.000 | 2.000 |" in text
-    assert "`kvzip bench --workloads output --json kvzip/bench/results/new.json`" in text  # recorded path, from root
+    assert "`kvzip bench --workloads output --json results/new.json`" in text  # recorded path, from root
     assert "commit `0123456789ab`" in text
-    assert "From `kvzip/bench/results/new.json`, commit `0123456789ab`: the run named above." in text
+    assert "From `results/new.json`, commit `0123456789ab`: the run named above." in text
     assert "1 of its cells were measured by an earlier run" in text
     assert "Skipped" not in text  # the skip concerns the prompt workload, not this table
     assert text.endswith(example)
@@ -116,3 +116,28 @@ def test_readme_is_a_short_user_page():
     found = [p for p in DIARY if re.search(p, prose, re.IGNORECASE)]
     assert not found, f"README.md reads like a lab notebook: {found}"
     assert "bash scripts/test.sh" in prose  # the test command CI runs (.ci/run)
+
+
+def _doc_text() -> str:
+    return "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
+def test_results_hold_what_the_docs_cite_and_nothing_else():
+    """results/ is data the docs cite: every file there is named by README.md or a page of docs/ (its path from the
+    repository root, or, in results/decisions/, its name on docs/decisions.md), and every results/ path they name
+    exists. The package ships no results."""
+    text, decisions = _doc_text(), (ROOT / "docs" / "decisions.md").read_text()
+    files = [p for p in (ROOT / "results").rglob("*") if p.is_file()]
+    assert files, "results/ is empty"
+    uncited = []
+    for p in files:
+        rel = p.relative_to(ROOT).as_posix()
+        if rel in text or (p.parent.name == "decisions" and re.search(rf"(?<![\w.-]){re.escape(p.name)}", decisions)):
+            continue
+        if ".parts/" in rel:  # a run in progress keeps its finished cells beside its JSON
+            continue
+        uncited.append(rel)
+    assert not uncited, f"files in results/ that no page cites: {uncited}"
+    named = set(re.findall(r"(?<![\w/.-])results/[\w./-]+\.(?:json|png)", text))
+    assert not [n for n in named if not (ROOT / n).is_file()], "cited results files that do not exist"
+    assert not (ROOT / "kvzip" / "bench" / "results").exists(), "bench results live in results/, not in the package"

@@ -173,8 +173,14 @@ def parse_settings(methods: str | None, opts: list[str] | None, method_sets: lis
 
 
 def at_budgets(settings: list[Setting], budgets: tuple[float, ...]) -> list[Setting]:
-    """`full` once, then every other setting at each budget, labelled `label@F` (no budgets: the settings as given)."""
+    """`full` once, then every other setting at each budget, labelled `label@F` (no budgets: the settings as given);
+    a user option the budget sets too is a UserError."""
+    from kvzip.budget import check_options
+
     if not budgets:
         return settings
+    for s in settings:
+        if s.label != "full":
+            check_options(s.name, budgets[0], s.opts)
     return [s for s in settings if s.label == "full"] + [
         Setting(f"{s.label}@{f:g}", s.name, s.opts, f) for s in settings if s.label != "full" for f in budgets]

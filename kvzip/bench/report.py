@@ -172,3 +172,52 @@ def capacity_plot(data: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
+
+
+def budget_lines(data: dict, field: str = "key_top1_agreement", workload: str = "output",
+                 context: int | None = None) -> dict[str, list[tuple[float, float, bool]]]:
+    """method label (without its `@F`) -> [(budget, value, marked)] of the records run at a budget, sorted by budget;
+    `context` picks a length of a record that measured several (default: its headline, the longest)."""
+    lines: dict[str, list] = {}
+    for r in data["results"]:
+        if r["workload"] != workload or r.get("budget") is None:
+            continue
+        entry = r if context is None else next((c for c in r.get("by_context", []) if c["context"] == context), None)
+        if entry is None or entry.get(field) is None:
+            continue
+        lines.setdefault(r["label"].rsplit("@", 1)[0], []).append((entry["budget"], entry[field],
+                                                                   bool(entry.get("budget_mark"))))
+    return {k: sorted(v) for k, v in lines.items()}
+
+
+def budget_plot(data: dict, path, field: str = "key_top1_agreement", workload: str = "output",
+                context: int | None = None) -> None:
+    """One line per method: `field` against the budget it ran at (a fraction of full's bytes). Hollow markers are
+    cells marked off budget. Raises ValueError when no record ran at a budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = budget_lines(data, field, workload, context)
+    if not lines:
+        raise ValueError("the budget plot needs records run at a budget (--budgets)")
+    fig, ax = plt.subplots(figsize=(7, 4.8), dpi=120)
+    for i, (label, points) in enumerate(lines.items()):
+        color = plt.get_cmap("tab10")(i % 10)
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=color, label=label, alpha=0.8)
+        for x, y, marked in points:
+            ax.scatter([x], [y], color=color, facecolors="none" if marked else color, s=36, zorder=3)
+    ax.set_xscale("log", base=2)
+    budgets = sorted({p[0] for pts in lines.values() for p in pts})
+    ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+    ax.set_xlabel("memory budget: fraction of full's KV bytes (hollow: the cell missed it by more than 10%)")
+    ax.set_ylabel(f"{field.replace('_', ' ')} ({workload}{f' at {context}' if context else ''})")
+    env = data.get("environment", {})
+    ax.set_title(f"quality at equal memory · {env.get('model', '')} · {env.get('device', '')} {env.get('dtype', '')} · "
+                 f"{env.get('date', '')[:10]}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)

@@ -114,10 +114,14 @@ def _save_plots(data: dict, path: Path, workloads) -> list[str]:
     """What `--plot` draws, one line per file written: quality against memory at `path` when the output workload
     ran; throughput at equal memory when the capacity workload did, beside it (or at `path` when it is the only
     plot)."""
-    from kvzip.bench.report import capacity_plot, plot
+    from kvzip.bench.report import budget_plot, capacity_plot, plot
 
     written = []
-    if "output" in workloads:
+    if "output" in workloads and any(r.get("budget") is not None for r in data["results"]):
+        with atomic_path(path) as tmp:
+            budget_plot(data, tmp)
+        written.append(f"wrote {path} (key-token top-1 against the memory budget, one line per method)")
+    elif "output" in workloads:
         with atomic_path(path) as tmp:
             front = plot(data, tmp)
         written.append(f"wrote {path} (Pareto front: {', '.join(front)})")

@@ -17,9 +17,9 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import (DictPath, Device, Dtype, MethodName, Model, Opts, Seed, Temperature, TopK, TopP,
-                               TrustRemoteCode, check_choice, check_device, check_sampling, cli_words, dict_file,
-                               parse_opts)
+from kvzip.cli.options import (BudgetFraction, DictPath, Device, Dtype, MethodName, Model, Opts, Seed, Temperature,
+                               TopK, TopP, TrustRemoteCode, budgeted, check_choice, check_device, check_fraction,
+                               check_sampling, cli_words, dict_file, parse_opts)
 from kvzip.errors import UserError
 from kvzip.files import check_writable, write_atomic
 
@@ -183,6 +183,7 @@ def chat(
     model: Model = "smollm2-135m",
     method: MethodName = "full",
     opt: Opts = None,
+    budget: BudgetFraction = None,
     dict_path: DictPath = None,
     system: Annotated[Optional[str], typer.Option(help="System message (default: the chat template's own).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = 256,
@@ -208,11 +209,16 @@ def chat(
 
     check_choice("--on-full", on_full, ON_FULL)
     cache_method = get_method(method, parse_opts(opt))
+    fraction = check_fraction(budget) if budget is not None else None
     settings = engine.Settings(max_new_tokens, temperature, top_p, top_k, seed)
     check_device(device, dtype)
     lm, tokenizer, source = load_model(model, device, dtype, trust_remote_code)
     if not has_chat_template(tokenizer):
         raise UserError("this model's tokenizer has no chat template, so it cannot chat: use `kvzip generate --raw`")
+    if fraction is not None:  # planned for one answer of --max-new-tokens after the system prompt
+        system_tokens = len(engine.encode(tokenizer, "", system=system))
+        cache_method, line = budgeted(method, parse_opts(opt), fraction, lm, system_tokens, max_new_tokens)
+        display.console.print(line, soft_wrap=True)
     dicts = lambda m: dictionaries_for(m, lm, source, dict_path)  # noqa: E731
     session = ChatSession(lm, tokenizer, cache_method, dicts(cache_method), settings, system, on_full)
     chat_loop(session, dicts, compact, source.name)

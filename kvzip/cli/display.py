@@ -45,6 +45,8 @@ def kv_text(stats: dict) -> str:
         text += f" (device {human_bytes(device)} = {device / full:.2f}x)"
     if fp16 and fp16 != full:
         text += f", {total / fp16:.2f}x an fp16 full cache"
+    if (stats.get("method_stats") or {}).get("tokens_coded") == 0:
+        text += " (nothing coded yet: tokens stay dense until the sinks and the buffer fill)"
     return text
 
 

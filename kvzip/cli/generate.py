@@ -22,8 +22,8 @@ import typer
 
 from kvzip.cli import display
 from kvzip.cli.jobs import JobSpec, check_job, finished_run
-from kvzip.cli.options import (DeviceMap, DictPath, Device, Dtype, MethodName, Model, Opts, Resume, Seed, Temperature,
-                               TopK, TopP, TrustRemoteCode, cli_words)
+from kvzip.cli.options import (BudgetFraction, DeviceMap, DictPath, Device, Dtype, MethodName, Model, Opts, Resume, Seed,
+                               Temperature, TopK, TopP, TrustRemoteCode, budgeted, cli_words, parse_opts)
 from kvzip.cli.resume import prepare_parts
 from kvzip.files import write_atomic
 
@@ -40,6 +40,7 @@ def generate(
     model: Model = "smollm2-135m",
     method: MethodName = "full",
     opt: Opts = None,
+    budget: BudgetFraction = None,
     dict_path: DictPath = None,
     max_new_tokens: Annotated[int, typer.Option(help="Stop after this many new tokens.")] = 256,
     temperature: Temperature = 0.0,
@@ -71,7 +72,8 @@ def generate(
     world = distributed.World.from_env(os.environ)
     distributed.start(world, device)
     try:
-        spec = JobSpec(prompt=prompt, input=input, output=output, resume=resume, model=model, method=method, opt=opt,
+        spec = JobSpec(prompt=prompt, input=input, output=output, resume=resume, model=model, method=method,
+                       budget=budget, opt=opt,
                        dict_path=dict_path, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                        top_k=top_k, seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, raw=raw, system=system,
                        batch_size=batch_size, json_out=json_out, device=device, device_map=device_map, dtype=dtype,
@@ -106,7 +108,6 @@ def _run(spec: JobSpec, job, world) -> None:
     with status if world.main else contextlib.nullcontext():
         lm, tokenizer, source = agreed(lambda: load_model(spec.model, job.device, spec.dtype, spec.trust_remote_code,
                                                           job.placement))
-    dictionaries = agreed(lambda: dictionaries_for(job.method, lm, source, job.dict_path))
     raw = spec.raw
     if not raw and tokenizer.chat_template is None:
         agreed(lambda: job.check_plain_prompts())
@@ -115,6 +116,13 @@ def _run(spec: JobSpec, job, world) -> None:
             display.console.print(f"[dim]{source.name} has no chat template (a base model): prompts are fed as raw text[/dim]")
         raw = True
     encoded = agreed(lambda: job.encode(lm, tokenizer, raw))
+    if job.budget is not None:  # the options for F of full's bytes, for the longest prompt and --max-new-tokens
+        longest = max(len(ids) for ids in encoded)
+        job.method, line = agreed(lambda: budgeted(spec.method, parse_opts(spec.opt), job.budget, lm, longest,
+                                                   spec.max_new_tokens))
+        if world.main:
+            display.console.print(line, soft_wrap=True)
+    dictionaries = agreed(lambda: dictionaries_for(job.method, lm, source, job.dict_path))
 
     settings = job.settings
     rows = batches.batch_rows(len(job.items), spec.batch_size)
@@ -206,7 +214,7 @@ def _show(records: list[dict], batches: list[dict], streaming: bool, json_out: b
     if streaming:
         display.out.print()
         display.out.file.flush()  # the summary goes to stderr: keep it after the streamed text
-        display.console.print(display.summary_line(batches[0]))
+        display.console.print(display.summary_line(batches[0]), soft_wrap=True)
     elif json_out:
         print(_jsonl(records, summary), end="")
     elif output is None:
@@ -217,4 +225,4 @@ def _show(records: list[dict], batches: list[dict], streaming: bool, json_out: b
             display.console.print(f"{r['prompt_tokens']} prompt + {r['new_tokens']} new tokens ({r['finish_reason']})")
         for b in batches:
             rows = f"rows {b['first_row'] + 1}-{b['first_row'] + b['rows']}" if b["rows"] > 1 else f"row {b['first_row'] + 1}"
-            display.console.print(f"{rows}: {display.summary_line(b)}")
+            display.console.print(f"{rows}: {display.summary_line(b)}", soft_wrap=True)

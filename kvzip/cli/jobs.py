@@ -18,7 +18,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvzip.cli.options import check_device, check_sampling, dict_file, flagged, output_path, parse_opts
+from kvzip.cli.options import (check_device, check_fraction, check_sampling, dict_file, flagged, output_path,
+                               parse_opts)
 from kvzip.errors import UserError
 
 
@@ -27,7 +28,11 @@ def read_jsonl_prompts(path: Path) -> list:
     if not path.is_file():
         raise UserError(f"input file not found: {path}")
     items = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text (byte {exc.start}): --input takes a JSONL file of prompts") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -59,6 +64,7 @@ class JobSpec:
     resume: bool
     model: str
     method: str
+    budget: str | None
     opt: list[str] | None
     dict_path: Path | None
     max_new_tokens: int
@@ -92,6 +98,7 @@ class Job:
     settings: object  # kvzip.engine.Settings
     settings_record: dict
     commit: str | None
+    budget: float | None = None  # --budget: the method is planned for it once the model's shape is known
 
     def record(self) -> dict:
         return {"settings": self.settings_record, "commit": self.commit}
@@ -158,7 +165,12 @@ def check_job(spec: JobSpec, world) -> Job:
     from kvzip.runs import commit, file_digest
 
     method = get_method(spec.method, parse_opts(spec.opt))
-    if dict_path is not None and not method.needs_dictionary:
+    budget = check_fraction(spec.budget) if spec.budget is not None else None
+    if budget is not None:
+        from kvzip.budget import check_options
+
+        check_options(spec.method, budget, parse_opts(spec.opt))
+    if dict_path is not None and not method.needs_dictionary and budget is None:
         raise UserError(f"--dict is for methods that use a dictionary; '{method.name}' with these options uses none")
     check_device(spec.device, spec.dtype)
     device = flagged("--device", world.device, resolve_device(spec.device))
@@ -171,13 +183,13 @@ def check_job(spec: JobSpec, world) -> Job:
     settings = engine.Settings(spec.max_new_tokens, spec.temperature, spec.top_p, spec.top_k, spec.seed, spec.stop,
                                spec.ignore_eos)
     source = file_digest(spec.input) if spec.input is not None else hashlib.sha256(spec.prompt.encode()).hexdigest()
-    record = {"model": spec.model, "device_map": spec.device_map, "method": method.name,
+    record = {"model": spec.model, "device_map": spec.device_map, "method": method.name, "budget": budget,
               "options": method.describe()["options"], "dict": file_digest(dict_path) if dict_path else None,
               "input": source, "rows": len(items), "batch_size": spec.batch_size, "raw": spec.raw,
               "system": spec.system, **asdict(settings), "device": device.type,
               "dtype": str(resolve_dtype(spec.dtype, device)).replace("torch.", "")}
     record = json.loads(json.dumps(record))  # as the files keep it (tuples as lists)
-    return Job(spec, items, output, method, device, placement, dict_path, settings, record, commit())
+    return Job(spec, items, output, method, device, placement, dict_path, settings, record, commit(), budget)
 
 
 def finished_run(output: Path) -> dict | None:

@@ -20,6 +20,7 @@ Device = Annotated[str, typer.Option(help="auto (CUDA if available), cpu or cuda
 Dtype = Annotated[str, typer.Option(help="auto (bfloat16 where the hardware runs it natively: CUDA, CPUs with AMX or AVX-512 BF16; else float32), float32, bfloat16 or float16.")]
 MethodName = Annotated[str, typer.Option("--method", help="Cache method; `kvzip generate --list-methods` lists them.")]
 Opts = Annotated[Optional[list[str]], typer.Option("--opt", help="Method option key=value, repeatable.")]
+BudgetFraction = Annotated[Optional[str], typer.Option("--budget", help="A fraction of full's KV bytes (0, 1], e.g. 0.25: the method's options are planned for it, with --max-new-tokens as the length (docs/benchmarking.md).")]
 DictPath = Annotated[Optional[Path], typer.Option("--dict", help="Dictionary file for dictionary methods (default: the one shipped for the model).")]
 TrustRemoteCode = Annotated[bool, typer.Option(help="Allow a hub model's own Python code to run.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Finish what an earlier run with the same settings and commit left undone, reading its finished pieces (OUTPUT.parts); refused when anything differs.")]
@@ -120,3 +121,16 @@ def check_fractions(text: str, flag: str = "--budgets") -> tuple[float, ...]:
     if len(set(values)) != len(values):
         raise UserError(f"{flag} lists the same budget twice: {text!r}")
     return values
+
+
+def budgeted(name: str, opts: dict[str, str], fraction: float | None, model, prompt_tokens: int, new_tokens: int):
+    """(method, the line saying what the budget became) for `--budget`; the method as given, and no line, without."""
+    from kvzip.budget import at_budget
+    from kvzip.methods import get_method
+
+    if fraction is None:
+        return get_method(name, opts), None
+    method, plan = at_budget(name, fraction, model, prompt_tokens, new_tokens, opts=opts)
+    chosen = ", ".join(f"{k}={v}" for k, v in plan.options.items() if opts.get(k) != v) or "its own options"
+    line = f"budget {fraction:g} of full's KV bytes for {prompt_tokens} + {new_tokens} tokens: {name} with {chosen}"
+    return method, line + (f" ({plan.note})" if plan.note else f" (expected {plan.expected:.3f})")

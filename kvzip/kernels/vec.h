@@ -3,7 +3,7 @@
 // vectors per head (NV = d / kLanes) known at compile time, a loop over a head's channels keeps its operands in
 // registers. The width follows the machine the kernels are built for (-march=native): a sixteen-float vector on an
 // AVX2-only CPU is two registers that GCC moves through the stack in halves (stores then wider loads that the CPU
-// cannot forward), which made the coded-attention kernel 2.5x slower than the PyTorch path there (docs/lab-notes.md).
+// cannot forward), which made the coded-attention kernel 2.5x slower than the PyTorch path there (docs/decisions.md).
 #pragma once
 
 #include <cmath>

@@ -2,7 +2,7 @@
 
 A thought cache's rows hold different counts of tokens (each zooms in on its own thoughts, its unfinished thought is
 its own length). Kept as one (B, Hkv, W, d) rectangle, every row pays for the widest one: 1.22x the slots in use at
-batch 8 x 512 (docs/lab-notes.md). Here keys and values live once in a pool (Hkv, N, d), and each row lists the
+batch 8 x 512 (docs/decisions.md). Here keys and values live once in a pool (Hkv, N, d), and each row lists the
 slots it holds in order, `ThoughtLayer.slots` (B, W), -1 where a shorter row has nothing: the padding costs one
 integer per slot instead of a key and a value per head. A rebuild rewrites a row's list and loads only the tokens
 that come back from the detail tier; nothing else moves.
