@@ -43,7 +43,7 @@ class Shape:
 
     @classmethod
     def of(cls, model) -> "Shape":
-        from kvzip.methods.options import model_layout
+        from kvzip.methods.fields import model_layout
 
         layers, kv_heads, head_dim = model_layout(model)
         size = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 4

@@ -4,7 +4,7 @@
 `cache.on_prefill`), calls the cache's step hook (`cache.on_step`) with the decoded text before every fed token, runs
 each forward between the cache's `before_forward` and `after_forward` hooks (where all cache-wide work happens), and
 tracks memory by tier after every forward. Generation (`generate`, below), teacher-forced evaluation
-(`kvzip.evaluate`), forced decoding (`kvzip.bench.recall`) and chat prefill (`kvzip.chat`) are short loops over it, so
+(`kvzip.evaluate`), forced decoding (`kvzip.bench.recall`) and chat prefill (`kvzip.conversation`) are short loops over it, so
 every cache hook runs on every path. The engine knows nothing of the CLI or of any method's internals; callers
 consume `Token`, `Step`, `Result` and `Summary` events.
 

@@ -88,6 +88,22 @@ def _coarse_kl(ref: Reference, j: int, logprobs: torch.Tensor) -> torch.Tensor:
     return kl.clamp(min=0)
 
 
+def forced_logits(stream: Stream, prompts: list[list[int]], forced: list[list[int]], through_last: bool = False):
+    """The one forced-feeding loop: prefill `prompts` (left-padded) on the engine's `stream`, then feed `forced` (B rows
+    of equal length T) one token per step, each with its text to `cache.on_step` as in generation. Yields (j, logits
+    (B, V)): the logits that predict forced[:, j], the prefill's for j = 0; with `through_last`, also j = T, after
+    the last forced token."""
+    steps = len(forced[0])
+    if any(len(f) != steps for f in forced):
+        raise ValueError("forced continuations must all have the same length")
+    table = torch.tensor(forced)  # (B, T) on the CPU: each step's tokens go to the device with the step
+    logits = stream.prefill(prompts)
+    for j in range(steps + int(through_last)):
+        yield j, logits
+        if j + 1 < steps or (through_last and j < steps):
+            logits = stream.step(table[:, j])
+
+
 @torch.inference_mode()
 def teacher_forced(model, tokenizer, cache, prompts: list[list[int]], forced: list[list[int]],
                    reference: Reference | None = None, keep_reference: bool = False, on_progress=None) -> Forced:
@@ -97,15 +113,14 @@ def teacher_forced(model, tokenizer, cache, prompts: list[list[int]], forced: li
     KL against it; `keep_reference` keeps this pass's own top tokens (for the `full` pass). on_progress(done, T).
     """
     steps = len(forced[0])
-    if any(len(f) != steps for f in forced):
-        raise ValueError("forced continuations must all have the same length")
     stream = Stream(model, tokenizer, cache)
-    table = torch.tensor(forced)  # (B, T) on the CPU: each step's tokens go to the device with the step
+    table = torch.tensor(forced)  # (B, T): the targets
     nll, top1, kl, top_ids, top_lp = [], [], [], [], []
-    logits = stream.prefill(prompts)
-    sync(stream.device)
-    t0 = time.perf_counter()
-    for j in range(steps):
+    t0 = None
+    for j, logits in forced_logits(stream, prompts, forced):
+        if t0 is None:  # the prefill's logits: the fed steps start now
+            sync(stream.device)
+            t0 = time.perf_counter()
         logprobs = torch.log_softmax(logits.float(), -1)  # (B, V)
         target = table[:, j].to(logprobs.device)
         nll.append(-logprobs.gather(-1, target[:, None]).squeeze(-1).cpu())
@@ -118,8 +133,6 @@ def teacher_forced(model, tokenizer, cache, prompts: list[list[int]], forced: li
             top_lp.append(top.values.cpu())
         if on_progress is not None:
             on_progress(j + 1, steps)
-        if j + 1 < steps:
-            logits = stream.step(table[:, j])
     sync(stream.device)
     decode_s = time.perf_counter() - t0
     ref = Reference(torch.stack(top1, 1), torch.stack(top_ids, 1), torch.stack(top_lp, 1)) if keep_reference else None

@@ -43,8 +43,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
-    from kvzip import dictfiles, kernels
-    from kvzip.cli.options import parse_opts
+    from kvzip import dictionary_lookup, kernels
+    from kvzip.cli.flags import parse_opts
     from kvzip.errors import UserError
     from kvzip.attention import grouped_attention
     from kvzip.methods import get_method
@@ -68,7 +68,7 @@ def main() -> None:
     print(f"{t} tokens x {b} rows, one layer, {torch.get_num_threads()} threads; dense fp32 (grouped): {dense:.2f} ms")
     for label, stem, mode in (("pre-RoPE keys (default)", "smollm2-135m-prerope", "pre-rope"),
                               ("post-RoPE keys", "smollm2-135m", "post-rope")):
-        dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
+        dictionaries = KVDictionary.load(dictionary_lookup.dictionary_dir() / f"{stem}.safetensors")
         for kernel in ("auto", "torch"):
             method = get_method("fadkv", {"keys": mode, "kernel": kernel, **opts})
             paired = mode == "pre-rope"

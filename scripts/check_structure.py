@@ -1,5 +1,5 @@
 """Check the package's structure without importing anything: no module outside `cli/` imports the CLI, no import
-cycle among the package's modules, and no file of a method (under `methods/`) longer than MAX_METHOD_LINES.
+cycle among the package's modules, and no file longer than MAX_LINES.
 
     python scripts/check_structure.py            # the kvzip/ package beside this script
     python scripts/check_structure.py path/pkg   # any package folder (the tests use a crafted bad one)
@@ -18,8 +18,8 @@ Every `.py` file is parsed with `ast`. An import names a module of the package w
 - A submodule's import of its parent package is implied by Python and never counted (`pkg.m.a` importing `pkg.m.b`
   runs `pkg/m/__init__.py` first, but that package is already initialising), so only the names written count.
 
-- The size rule keeps each method readable in one sitting: a method that outgrows it moves its machinery into a
-  module of its own (as `methods/coded/` and `methods/thoughts/` do).
+- The size rule keeps each file readable in one sitting: a module that outgrows it splits (a method moves its
+  machinery into a module of its own, as `methods/coded/` and `methods/thoughts/` do).
 
 Exit code 0 when every rule holds, 1 with one line per violation otherwise.
 """
@@ -30,7 +30,7 @@ import ast
 import sys
 from pathlib import Path
 
-MAX_METHOD_LINES = 400
+MAX_LINES = 400
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -137,14 +137,14 @@ def check(root: Path) -> tuple[list[str], str]:
                     lazy += 1
     for module, path in known.items():
         lines = len(path.read_text().splitlines())
-        if module.startswith(f"{root.name}.methods.") and lines > MAX_METHOD_LINES:
-            problems.append(f"{path}: {lines} lines; a method file stays under {MAX_METHOD_LINES}: move its machinery "
-                            "into a module of its own")
+        if lines > MAX_LINES:
+            problems.append(f"{path}: {lines} lines; a file stays under {MAX_LINES}: split it (a method moves its "
+                            "machinery into a module of its own)")
     for component in cycles(graph):
         problems.append(f"import cycle among module-level imports: {' <-> '.join(component)}")
     summary = (f"{len(known)} modules, {eager} module-level and {lazy} deferred (in a function or TYPE_CHECKING) "
                f"imports of {root.name} modules; "
-               f"no module outside {cli} imports it, no import cycle, no method file over {MAX_METHOD_LINES} lines")
+               f"no module outside {cli} imports it, no import cycle, no file over {MAX_LINES} lines")
     return problems, summary
 
 

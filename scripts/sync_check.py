@@ -82,7 +82,7 @@ def main() -> None:
 
     from kvzip import engine
     from kvzip.data import evaluation_prose
-    from kvzip.dictfiles import dictionaries_for
+    from kvzip.dictionary_lookup import dictionaries_for
     from kvzip.errors import UserError
     from kvzip.files import check_writable, write_atomic
     from kvzip.methods import METHODS, get_method

@@ -9,6 +9,11 @@ context, where a smaller cache should pay most), and the last repeat's ratio in 
 (where a method starts to gain or lose). The JSON carries the command, commit and environment like `kvzip
 bench`'s, so docs tables can be generated from it (scripts/results_tables.py).
 
+Why it is not the bench's `speed` workload: that one times one row at a given context and pairs each method with a
+`full` run made right after it, which is steady for a prompt's decode but not for a batch of 1,024 steps on a machine
+whose speed drifts within minutes; here the methods' generators (the engine's `generate`, every hook as in a run)
+are interleaved step by step, so each step of a method is paired with `full`'s step at the same length.
+
     .venv/bin/python scripts/throughput.py --methods full,fadkv,zoomr --batch 8 --new-tokens 1024 \\
         --json results/throughput.json
 """
@@ -48,7 +53,7 @@ def main() -> None:
     from kvzip.bench.config import BenchConfig, parse_settings
     from kvzip.bench.runner import environment
     from kvzip.bench.workloads import Context, capacity_prompts
-    from kvzip.dictfiles import dictionaries_for
+    from kvzip.dictionary_lookup import dictionaries_for
     from kvzip.errors import UserError
     from kvzip.files import check_writable, write_atomic
     from kvzip.methods import METHODS

@@ -13,7 +13,7 @@ import torch
 
 from kvzip import evaluate
 from kvzip.budget import TOLERANCE, Budget, Shape, plan
-from kvzip.cli.options import check_fraction, check_fractions
+from kvzip.cli.flags import check_fraction, check_fractions
 from kvzip.errors import UserError
 from kvzip.methods import get_method
 from tests.matrix import METHOD_NAMES

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from kvzip import engine
-from kvzip.chat import ChatSession, ContextFull, Throughput, Turn
+from kvzip.conversation import ChatSession, ContextFull, Throughput, Turn
 from kvzip.cli import chat as chat_cli
 from kvzip.methods import METHODS, get_method
 

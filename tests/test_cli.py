@@ -149,9 +149,31 @@ def test_dict_with_a_method_that_uses_none(capsys, tmp_path):
     (["chat", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["nope"], "No such command 'nope'"),
     (["bench", "--json", "."], "--json: . is a directory"),
+    (["generate", "--budget", "0", "hi"], "--budget takes a fraction of full's KV bytes in (0, 1]"),
+    (["generate", "--budget", "2", "hi"], "--budget takes a fraction of full's KV bytes in (0, 1]"),
+    (["generate", "--budget", "most", "hi"], "--budget takes a fraction of full's KV bytes in (0, 1]"),
+    (["chat", "--budget", "-1"], "--budget takes a fraction of full's KV bytes in (0, 1]"),
+    (["generate", "--method", "window", "--opt", "window=8", "--budget", "0.25", "hi"], "the budget sets window"),
 ])
-def test_usage_errors_are_one_line(capsys, args, message):
+def test_usage_errors_are_one_line(capsys, args, message, no_model):
     assert message in one_line_error(capsys, *args)
+
+
+def test_an_input_that_is_not_utf8_is_one_line(capsys, tmp_path, no_model):
+    bad = tmp_path / "x.jsonl"
+    bad.write_bytes(bytes(range(128, 256)) * 20)
+    assert "is not UTF-8 text" in one_line_error(capsys, "generate", "--input", str(bad), "--output",
+                                                 str(tmp_path / "o.jsonl"))
+    assert listing(tmp_path) == ["x.jsonl"]
+
+
+@pytest.mark.usefixtures("fake_load", "one_thread")
+def test_generate_at_a_budget_says_what_it_became(capsys):
+    code, out, err = run(capsys, "generate", "--method", "window", "--budget", "0.25", "--max-new-tokens", "40",
+                         "--ignore-eos", "--raw", "Hello there, a prompt of some length.")
+    assert code == 0, err
+    assert "budget 0.25 of full's KV bytes for" in err and "window with sinks=" in err
+    assert "0.25x full" in err or "0.24x full" in err or "0.26x full" in err
 
 
 def test_check_writable_and_write_atomic_leave_nothing_behind(tmp_path):
@@ -162,7 +184,7 @@ def test_check_writable_and_write_atomic_leave_nothing_behind(tmp_path):
 
 
 def test_a_checkout_finds_the_shipped_dictionaries_through_the_package_link(monkeypatch):
-    from kvzip.dictfiles import dictionary_dir
+    from kvzip.dictionary_lookup import dictionary_dir
 
     root = Path(__file__).resolve().parent.parent
     monkeypatch.delenv("KVZIP_DICTIONARIES", raising=False)

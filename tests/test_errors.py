@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvzip.chat import ChatSession, ContextFull
+from kvzip.conversation import ChatSession, ContextFull
 from kvzip.cli import app
 from kvzip.cli import chat as chat_cli
-from kvzip.dictfiles import MissingDictionary, default_dictionary, dictionaries_for
+from kvzip.dictionary_lookup import MissingDictionary, default_dictionary, dictionaries_for
 from kvzip.errors import UserError
 from kvzip.methods import get_method
 from kvzip.models import ModelSource, resolve_device, resolve_dtype

@@ -133,7 +133,7 @@ def test_rebuilt_values_equal_per_atom_sums(tiny_dictionaries, adapt, monkeypatc
     """Many query rows (a follow-up prompt) rebuild coded values chunk by chunk; decoding sums weights per atom. The two
     give the same weighted sum, overlay atoms included."""
     import kvzip.methods.coded.attend as fadkv_module
-    from kvzip.sparse import attention as coded
+    from kvzip.sparse import coded_attention as coded
 
     monkeypatch.setattr(fadkv_module, "SCORE_CHUNK", 5)
     _, layer = make_layer(tiny_dictionaries, adapt=adapt, adapt_threshold="0.2")
@@ -149,7 +149,7 @@ def test_rebuilt_values_equal_per_atom_sums(tiny_dictionaries, adapt, monkeypatc
 
 
 def test_fp8_table_matches_cast():
-    from kvzip.sparse import attention as coded
+    from kvzip.sparse import coded_attention as coded
 
     every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(2, 8, 16)
     expected = every.float()

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvzip import dictfiles, engine, kernels
+from kvzip import dictionary_lookup, engine, kernels
 from kvzip.methods import get_method
 from kvzip.methods.coded.coding import CodingStats
 from kvzip.methods.coded.compress import compress
@@ -66,7 +66,7 @@ def test_coded_decode_attention_at_the_shipped_head_size(keys, dense, group):
     the default model, and the groups of other families, which the kernel sums in blocks of up to three): the kernel
     equals the reference on random keys and values coded with the default options."""
     stem = "smollm2-135m-prerope" if keys == "pre-rope" else "smollm2-135m"
-    dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
+    dictionaries = KVDictionary.load(dictionary_lookup.dictionary_dir() / f"{stem}.safetensors")
     inv = 1.0 / (100000.0 ** (torch.arange(0, 64, 2).float() / 64)) if keys == "pre-rope" else None
     method = get_method("fadkv", {"keys": keys})
     layer = FadkvLayer(method, prepare_layers(dictionaries, "cpu", paired=inv is not None)[3], rope=inv)
@@ -83,7 +83,7 @@ def test_one_long_row_split_into_chunks_equals_the_reference(keys):
     """One row of 1,100 tokens: the kernel splits its coded tokens into chunks (fewer rows than twice the threads) and
     merges them; the same output as the reference, also when left padding hides the whole first chunk."""
     stem = "smollm2-135m-prerope" if keys == "pre-rope" else "smollm2-135m"
-    dictionaries = KVDictionary.load(dictfiles.dictionary_dir() / f"{stem}.safetensors")
+    dictionaries = KVDictionary.load(dictionary_lookup.dictionary_dir() / f"{stem}.safetensors")
     inv = 1.0 / (100000.0 ** (torch.arange(0, 64, 2).float() / 64)) if keys == "pre-rope" else None
     layer = FadkvLayer(get_method("fadkv", {"keys": keys}), prepare_layers(dictionaries, "cpu", paired=inv is not None)[3],
                        rope=inv)

@@ -154,7 +154,7 @@ EXPECTED = {"layers": "num layers 3", "head_dim": "head dim 32", "truncated": "t
 
 
 def test_wrong_dictionaries_raise_one_line(tiny, tiny_dictionaries, tmp_path):
-    from kvzip.dictfiles import dictionaries_for
+    from kvzip.dictionary_lookup import dictionaries_for
 
     class NeedsDict:
         name, needs_dictionary = "needs-dict", True

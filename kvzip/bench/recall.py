@@ -29,6 +29,7 @@ import time
 import torch
 
 from kvzip.engine import Stream, encode, sync
+from kvzip.evaluate import forced_logits
 from kvzip.stats import wilson_interval
 
 COLORS = ["blue", "red", "green", "yellow", "black", "white", "orange", "purple", "brown", "pink", "grey", "silver"]
@@ -46,17 +47,12 @@ def forced_decode(model, tokenizer, cache, prompts: list[list[int]], forced: lis
     Returns (preds (B, T+1) greedy next token at the prefill and after each fed token, last logits (B, V), seconds
     spent in the decode steps, the stream's memory report).
     """
-    steps = len(forced[0])
-    if any(len(f) != steps for f in forced):
-        raise ValueError("forced continuations must all have the same length")
     stream = Stream(model, tokenizer, cache)
-    logits = stream.prefill(prompts)
-    preds = [logits.argmax(-1)]
-    table = torch.tensor(forced)  # (B, T)
-    sync(stream.device)
-    t0 = time.perf_counter()
-    for j in range(steps):
-        logits = stream.step(table[:, j])
+    preds, t0 = [], None
+    for _, logits in forced_logits(stream, prompts, forced, through_last=True):
+        if t0 is None:  # the prefill's logits: the fed steps start now
+            sync(stream.device)
+            t0 = time.perf_counter()
         preds.append(logits.argmax(-1))
     sync(stream.device)
     return torch.stack(preds, 1).cpu(), logits.float().cpu(), time.perf_counter() - t0, stream.report()

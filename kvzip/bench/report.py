@@ -201,7 +201,7 @@ def budget_plot(data: dict, path, field: str = "key_top1_agreement", workload: s
 
     lines = budget_lines(data, field, workload, context)
     if not lines:
-        raise ValueError("the budget plot needs records run at a budget (--budgets)")
+        raise ValueError("the budget plot needs records run at a budget")
     fig, ax = plt.subplots(figsize=(7, 4.8), dpi=120)
     for i, (label, points) in enumerate(lines.items()):
         color = plt.get_cmap("tab10")(i % 10)

@@ -36,7 +36,7 @@ def _prepare(setting: Setting, model, source, dict_path, cfg: BenchConfig):
     """(method, dictionaries) or raises UserError explaining why the setting cannot run here. A setting at a budget
     is a `Budgeted` (planned per length by each workload), tried here at a first length."""
     from kvzip.budget import Shape
-    from kvzip.dictfiles import dictionaries_for
+    from kvzip.dictionary_lookup import dictionaries_for
 
     method = setting.build()
     load = lambda m: dictionaries_for(m, model, source, dict_path)  # noqa: E731

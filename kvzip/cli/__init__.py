@@ -23,7 +23,7 @@ from kvzip.cli import bench as _bench
 from kvzip.cli import chat as _chat
 from kvzip.cli import generate as _generate
 from kvzip.cli import train_dict as _train_dict
-from kvzip.cli.options import cli_words
+from kvzip.cli.flags import cli_words
 from kvzip.errors import SharedUserError, UserError
 
 HELP_WIDTH = 120  # help wraps at the terminal's width, but at most this: lines a reader's eye can follow

@@ -29,7 +29,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import (DictPath, Device, Dtype, Model, Resume, TrustRemoteCode, check_device, cli_words, dict_file,
+from kvzip.cli.flags import (DictPath, Device, Dtype, Model, Resume, TrustRemoteCode, check_device, cli_words, dict_file,
                                flagged, output_path)
 from kvzip.cli.resume import prepare_parts
 from kvzip.errors import UserError
@@ -75,7 +75,7 @@ def _config(quick: bool, workloads: str | None, contexts: str | None, prompts: i
     if capacity_tokens is not None:
         changes["capacity_tokens"] = capacity_tokens
     if budgets is not None:
-        from kvzip.cli.options import check_fractions
+        from kvzip.cli.flags import check_fractions
 
         changes["budgets"] = check_fractions(budgets)
     if budget_tier is not None:

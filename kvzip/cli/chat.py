@@ -1,6 +1,6 @@
 """`kvzip chat`: an interactive chat whose history lives in a compressed cache, with a live memory/speed panel.
 
-The conversation logic (templating, cache continuity, rebuilds, context limits) is `kvzip.chat.ChatSession`; this
+The conversation logic (templating, cache continuity, rebuilds, context limits) is `kvzip.conversation.ChatSession`; this
 module reads lines, runs commands, turns Ctrl-C into a stop request and draws through `kvzip.cli.display`.
 `chat_loop` takes a ready session, so tests drive it through stdin with any model and tokenizer.
 """
@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import (BudgetFraction, DictPath, Device, Dtype, MethodName, Model, Opts, Seed, Temperature,
+from kvzip.cli.flags import (BudgetFraction, DictPath, Device, Dtype, MethodName, Model, Opts, Seed, Temperature,
                                TopK, TopP, TrustRemoteCode, budgeted, check_choice, check_device, check_fraction,
                                check_sampling, cli_words, dict_file, parse_opts)
 from kvzip.errors import UserError
@@ -66,7 +66,7 @@ def _read(prompt: str) -> str:
 
 def _turn(session, text: str, compact: bool) -> None:
     from kvzip import engine
-    from kvzip.chat import ContextFull, Rebuilt, Turn
+    from kvzip.conversation import ContextFull, Rebuilt, Turn
 
     stop = [False]
 
@@ -202,8 +202,8 @@ def chat(
     check_sampling(max_new_tokens, temperature, top_p, top_k)
     dict_path = dict_file(dict_path)  # for every dictionary method of the session (at start or after /method)
     from kvzip import engine
-    from kvzip.chat import ON_FULL, ChatSession, has_chat_template
-    from kvzip.dictfiles import dictionaries_for
+    from kvzip.conversation import ON_FULL, ChatSession, has_chat_template
+    from kvzip.dictionary_lookup import dictionaries_for
     from kvzip.methods import get_method
     from kvzip.models import load_model
 

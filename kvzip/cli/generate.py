@@ -22,7 +22,7 @@ import typer
 
 from kvzip.cli import display
 from kvzip.cli.jobs import JobSpec, check_job, finished_run
-from kvzip.cli.options import (BudgetFraction, DeviceMap, DictPath, Device, Dtype, MethodName, Model, Opts, Resume, Seed,
+from kvzip.cli.flags import (BudgetFraction, DeviceMap, DictPath, Device, Dtype, MethodName, Model, Opts, Resume, Seed,
                                Temperature, TopK, TopP, TrustRemoteCode, budgeted, cli_words, parse_opts)
 from kvzip.cli.resume import prepare_parts
 from kvzip.files import write_atomic
@@ -89,7 +89,7 @@ def generate(
 def _run(spec: JobSpec, job, world) -> None:
     """Past every flag check: the pieces folder, the model, the batches of this rank, then rank 0's merge."""
     from kvzip import batches, distributed, engine
-    from kvzip.dictfiles import dictionaries_for
+    from kvzip.dictionary_lookup import dictionaries_for
     from kvzip.models import load_model
     from kvzip.runs import Parts, parts_folder
 

@@ -18,7 +18,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvzip.cli.options import (check_device, check_fraction, check_sampling, dict_file, flagged, output_path,
+from kvzip.cli.flags import (check_device, check_fraction, check_sampling, dict_file, flagged, output_path,
                                parse_opts)
 from kvzip.errors import UserError
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from kvzip.cli.options import cli_words, flagged
+from kvzip.cli.flags import cli_words, flagged
 from kvzip.errors import UserError
 
 

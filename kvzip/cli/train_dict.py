@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvzip.cli import display
-from kvzip.cli.options import Device, Dtype, Model, TrustRemoteCode, check_choice, check_device, output_path
+from kvzip.cli.flags import Device, Dtype, Model, TrustRemoteCode, check_choice, check_device, output_path
 from kvzip.errors import UserError
 from kvzip.sparse import CODERS, KEY_MODES
 
@@ -46,7 +46,7 @@ def _out_path(out: Path | None, model: str, keys: str) -> Path:
     """The output file, checked before the model loads: `--out`, else the default file for the model and key mode."""
     if out is not None:
         return output_path(out, "--out")
-    from kvzip.dictfiles import default_dictionary_path
+    from kvzip.dictionary_lookup import default_dictionary_path
     from kvzip.files import check_writable
     from kvzip.models import resolve_model
 

@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvzip.errors import UserError
-from kvzip.methods.options import check_choice, check_positive, convert_option, model_layout  # noqa: F401  (re-exported)
+from kvzip.methods.fields import check_choice, check_positive, convert_option, model_layout  # noqa: F401  (re-exported)
 from kvzip.rope import full_tokens
 
 TIERS = ("device", "codes", "dictionary", "host")
@@ -358,7 +358,7 @@ class Method:
 
     def dictionary_keys(self) -> tuple[str, ...]:
         """The key modes (`kvzip.sparse.KEY_MODES`) of the dictionaries this method, with its options, runs on, the
-        one to look for first first; () when it uses no dictionary. kvzip.dictfiles picks the default file by it."""
+        one to look for first first; () when it uses no dictionary. kvzip.dictionary_lookup picks the default file by it."""
         return ("post-rope",) if self.needs_dictionary else ()
 
     @classmethod

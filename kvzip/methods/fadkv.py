@@ -10,7 +10,7 @@ FAD-KV (Zhu et al., 2026) and its predecessor Lexico (Kim et al., ICML 2025; arX
   coding time) or after it;
 - decoding never keeps a dense copy of the past. Post-RoPE scores gather q·D by code and add one q·mean term;
   pre-RoPE scores rebuild one chunk of keys at a time (mean added back, RoPE applied, chunk dropped). Values are
-  summed per atom and multiplied by the value dictionary once (kvzip/sparse/attention.py).
+  summed per atom and multiplied by the value dictionary once (kvzip/sparse/coded_attention.py).
 FAD-KV's coder is screening (top-n candidates by |Dᵀx|, pursuit on the pool); Lexico's is OMP over all atoms.
 
 Fixed-size adaptation (FAD-KV): per sequence, a reference count per atom over live codes. When a coded vector's
@@ -36,14 +36,14 @@ import torch
 
 from kvzip.errors import UserError
 from kvzip.methods.base import DenseLayer, KVCache, Method, check_choice, check_positive, model_layout, tensor_bytes
-from kvzip.methods.options import KERNELS
+from kvzip.methods.fields import KERNELS
 from kvzip.methods.coded.attend import CodedAttention
 from kvzip.methods.coded.coding import ADAPT, CodingStats
 from kvzip.methods.coded.compress import compress
 from kvzip.methods.coded.state import CodedKind
 from kvzip.placement import layer_devices
 from kvzip.rope import as_rope, attention_windows, layer_ropes, visible_from
-from kvzip.sparse import CACHE_CODERS, KEY_MODES, KEY_OPTIONS, attention as coded
+from kvzip.sparse import CACHE_CODERS, KEY_MODES, KEY_OPTIONS, coded_attention as coded
 from kvzip.sparse.dictionary import LayerAtoms, prepare_for_devices
 from kvzip.sparse.screen import PICKS, SHOTS
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, Method, check_choice, check_positive, model_layout
-from kvzip.methods.options import KERNELS
+from kvzip.methods.fields import KERNELS
 from kvzip.methods.thoughts import budget as thought_budget
 from kvzip.methods.thoughts.cache import ThoughtCache, ThoughtConfig, Zoom
 from kvzip.methods.thoughts.detail import DETAILS, CodedDetail, DenseDetail, Int4Detail, Int8Detail

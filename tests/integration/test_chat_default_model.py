@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvzip import engine
-from kvzip.chat import ChatSession, Turn
+from kvzip.conversation import ChatSession, Turn
 from kvzip.methods import METHODS, get_method
 
 from .conftest import run_cli
@@ -29,7 +29,7 @@ LONG = ["What is the capital of France? Write a long story about it, in many sho
 def test_three_turns_through_kvzip_chat_use_less_kv_than_full(name, tmp_path):
     cls = METHODS[name]
     if cls.needs_dictionary:
-        from kvzip.dictfiles import dictionary_dir
+        from kvzip.dictionary_lookup import dictionary_dir
 
         if not (dictionary_dir() / "smollm2-135m.safetensors").is_file():
             pytest.skip(f"{name} needs the shipped dictionary, not trained yet")

@@ -1,7 +1,7 @@
 """Integration tier for the command line on the default model: a real `kvzip generate` leaves no process behind, a
 model folder holding the real config.json but no tokenizer is one line, bad output paths are refused before the
 model loads, `--output` rows carry their own figures, and a wheel built from this tree carries the shipped
-dictionaries inside the package (where kvzip.dictfiles finds them once installed)."""
+dictionaries inside the package (where kvzip.dictionary_lookup finds them once installed)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import torch
 @pytest.mark.integration
 def test_screening_error_within_margin_of_omp_on_real_kv(default_model):
     from kvzip import capture, data
-    from kvzip.dictfiles import dictionary_dir
+    from kvzip.dictionary_lookup import dictionary_dir
     from kvzip.sparse.dictionary import KVDictionary
     from kvzip.sparse.learn import relative_error
     from kvzip.sparse.omp import gram_matrix, omp

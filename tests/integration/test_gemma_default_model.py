@@ -79,7 +79,7 @@ def test_every_method_compresses_on_gemma_or_refuses(gemma, name):
     zoomr's int8 detail off the device is half of bf16's bytes, so its total beats full only over longer outputs;
     the fast-tier matrix checks totals.) fadkv runs with a static dictionary here: its adaptive overlay keeps each
     replaced atom in fp32 (1 KiB at head_dim 256), which 48 tokens of a 1-KV-head model cannot pay back."""
-    from kvzip.dictfiles import dictionaries_for
+    from kvzip.dictionary_lookup import dictionaries_for
 
     model, tokenizer, source = gemma
     method = tiny_method(name, **({"adapt": "none"} if "adapt" in METHODS[name].options() else {}))

@@ -7,7 +7,7 @@ and options `cfg`). Decoding never keeps a dense copy of the past:
   and the kernel is built: one pass per row and KV head;
 - otherwise the reference: post-RoPE scores gather q·D by code and add one q·mean term; pre-RoPE scores rebuild one
   chunk of SCORE_CHUNK keys at a time (mean added back, RoPE applied, chunk dropped); values are summed per atom and
-  multiplied by the value dictionary once (kvzip/sparse/attention.py), or rebuilt chunk by chunk for a multi-token
+  multiplied by the value dictionary once (kvzip/sparse/coded_attention.py), or rebuilt chunk by chunk for a multi-token
   query (a chat follow-up), whose many query rows share them.
 """
 
@@ -19,7 +19,7 @@ from kvzip import kernels
 from kvzip.attention import causal_tail, dense_attention, gather_mask
 from kvzip.methods.coded.state import CodedKind
 from kvzip.rope import angles, from_pairs, phasors, to_pairs, turn_pairs
-from kvzip.sparse import attention as coded
+from kvzip.sparse import coded_attention as coded
 from kvzip.sparse.omp import reconstruct
 
 # pre-RoPE scores rebuild at most this many coded keys at a time (per row and KV head): never a dense copy of the past

@@ -21,7 +21,7 @@ from kvzip import kernels
 from kvzip.attention import gather_tokens
 from kvzip.methods.coded.coding import CodingStats, code_kinds, left_holed, share_atom_use
 from kvzip.rope import phasors, to_pairs, turn_pairs
-from kvzip.sparse.attention import quantize
+from kvzip.sparse.coded_attention import quantize
 
 if typing.TYPE_CHECKING:
     from kvzip.methods.fadkv import FadkvLayer

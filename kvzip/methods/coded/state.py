@@ -18,7 +18,7 @@ import torch
 from kvzip.methods.base import tensor_bytes
 from kvzip.rope import from_pairs
 from kvzip.sparse.atoms import atom_offsets
-from kvzip.sparse import attention as coded
+from kvzip.sparse import coded_attention as coded
 
 OVERLAY_ID_BYTES = 8  # the int64 atom number stored with each overlay vector
 

@@ -24,7 +24,7 @@ import torch
 
 from kvzip import kernels
 from kvzip.methods.base import tensor_bytes
-from kvzip.sparse.attention import FP16_TINY, dequantize, quantize
+from kvzip.sparse.coded_attention import FP16_TINY, dequantize, quantize
 from kvzip.sparse.omp import reconstruct
 from kvzip.sparse.screen import screen
 
@@ -86,7 +86,7 @@ class DenseDetail:
 
 class Int8Detail(DenseDetail):
     """detail=int8: int8 codes with one fp16 scale per vector, as fadkv stores its coefficients
-    (kvzip.sparse.attention.quantize: the codes are divided by the scale as stored, so they decode with it exactly)."""
+    (kvzip.sparse.coded_attention.quantize: the codes are divided by the scale as stored, so they decode with it exactly)."""
 
     def store(self, k, v):
         return tuple((offload(q), offload(scale)) for q, scale in (quantize(x, "int8") for x in (k, v)))

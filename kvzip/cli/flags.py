@@ -44,7 +44,7 @@ def flagged(flag: str, check: Callable[..., T], *args) -> T:
 def cli_words(exc: UserError) -> str:
     """A library error as the command line says it: where the library's advice names its own terms (a dictionary
     to make and where), the advice with the command and flags to use; any other error as it is."""
-    from kvzip.dictfiles import MissingDictionary
+    from kvzip.dictionary_lookup import MissingDictionary
 
     if isinstance(exc, MissingDictionary):
         return (f"method '{exc.method}' needs a dictionary and {exc.path} does not exist: train one with "
@@ -89,7 +89,7 @@ def output_path(path: Path | None, flag: str) -> Path | None:
 
 def dict_file(path: Path | None) -> Path | None:
     """`--dict` once it names an existing file (not a directory)."""
-    from kvzip.dictfiles import check_dictionary_file
+    from kvzip.dictionary_lookup import check_dictionary_file
 
     return None if path is None else flagged("--dict", check_dictionary_file, path)
 
