@@ -321,7 +321,9 @@ def render(attrs: dict, md_path: Path, root: Path) -> str:
         png = path.with_suffix(".png")
         if not png.is_file():
             raise BlockError(f"plot=yes but {Path(rel_json).with_suffix('.png')} does not exist")
-        what = "throughput at equal KV memory" if attrs.get("workload") == "capacity" else "top-1 agreement vs KV bytes"
+        what = "throughput at equal KV memory" if attrs.get("workload") == "capacity" else (
+            "key-position top-1 against the memory budget" if any(r.get("budget") for r in data["results"])
+            else "top-1 agreement vs KV bytes")
         lines.append(f"![{what}, from {path.name}]({os.path.relpath(png, md_path.parent)})")
         lines.append("")
     lines += caption(data, rel_json, view, attrs) + [""] + VIEWS[view](data, attrs)

@@ -1,9 +1,10 @@
 """kvzip bench: every method on the same model, the same workloads and the same run, against `full`.
 
 Library side of `kvzip bench` (the CLI renders tables and progress; nothing here prints):
-- `config`: `BenchConfig` (workload sizes, `quick_preset()`), `Setting` (one method with one set of options) and
-  `parse_settings` for `--methods`, `--opt method.key=value` and `--method-set "method:key=value,..."`.
-- `workloads`: ppl, reasoning, recall (calls `kvzip.bench.recall` when present) and speed, one record each.
+- `config`: `BenchConfig` (workload sizes, budgets, `quick_preset()`), `Setting` (one method with one set of options,
+  at a budget or not), `parse_settings` for `--methods`, `--opt method.key=value` and `--method-set`, `at_budgets`.
+- `workloads`: output, prompt, speed and capacity, one record each (`reasoning` and `recall` in modules of their own);
+  `context`: what every workload shares (the run's `Context`, one generation, a setting at a memory budget).
 - `cells`: a run's cells (one setting on one workload), the order they run in and each rank's share of them.
 - `runner`: `run_bench(model, tokenizer, source, settings, cfg)` -> a JSON-ready dict, `full` first, skips with notes;
   optionally only some cells, each reported as it ends; `merge` builds the run's JSON from every cell's piece.

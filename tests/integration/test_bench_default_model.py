@@ -51,3 +51,27 @@ def test_quick_bench_reports_the_issue_fields(tmp_path):
     assert by["full", "capacity"]["rows"] == 8 and by["window", "capacity"]["rows"] >= 8
     for label in ran:  # the table names every method that ran
         assert label in proc.stdout
+
+
+def test_budgets_on_the_default_model(tmp_path):
+    """`--budgets` on the default model: every record carries its budget, the plan, the measured ratio (within 10%
+    of F or marked with the reason) and the key-position figures; fadkv's plan fits its codes into F."""
+    out = tmp_path / "budgets.json"
+    proc = run_cli("bench", "--methods", "full,window,fadkv,hf-fp8", "--budgets", "0.25", "--workloads", "output",
+                   "--output-tokens", "640", "--rows", "1", "--dtype", "bfloat16", "--json", str(out), timeout=1800,
+                   env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["label"] for r in data["results"]] == ["full", "window@0.25", "fadkv@0.25", "hf-fp8@0.25"]
+    full = data["results"][0]
+    assert "budget" not in full  # full is the reference, run once
+    assert full["short_reference"]["options"] == {"sinks": "4", "window": "256"}
+    for r in data["results"]:
+        assert r["key_positions"] is not None and "key_top1_agreement" in r and "key_kl" in r
+    for r in data["results"][1:]:
+        assert r["budget"] == 0.25 and r["budget_ratio"] == r["kv_ratio_vs_full"]
+        assert abs(r["budget_ratio"] / 0.25 - 1) <= 0.1 or r["budget_mark"], r["label"]
+    window, fadkv, fp8 = data["results"][1:]
+    assert window["budget_mark"] is None and window["budget_plan"]["options"]["window"]
+    assert fp8["budget_mark"] and "0.500" in fp8["budget_mark"]  # fp8's size is fixed: marked, never dropped
+    assert "off budget hf-fp8@0.25" in proc.stderr
