@@ -110,8 +110,8 @@ def plan(name: str, budget: Budget, opts: dict[str, str] | None = None) -> Plan:
     if clash:
         raise UserError(f"method '{name}': the budget sets {', '.join(sorted(clash))}; drop "
                         f"{'that option' if len(clash) == 1 else 'those options'} or the budget")
-    if not p.note and abs(p.expected / budget.fraction - 1) > TOLERANCE:
-        p.note = f"its options give {p.expected:.3f} of full's bytes"
+    if not p.note and abs(p.expected / budget.fraction - 1) > TOLERANCE:  # a fixed format, or its closest options
+        p.note = f"{name} holds {p.expected:.3f} of full's bytes"
     return Plan({**opts, **{k: str(v) for k, v in p.options.items()}}, p.expected, p.note, budget.fraction)
 
 

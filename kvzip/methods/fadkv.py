@@ -216,7 +216,6 @@ class Fadkv(Method):
         # A row's adapted atoms (the `dictionary` tier) are not planned: how many it holds depends on the text (27 a
         # layer and kind at sparsity 8 over results-2's 8k output, 0.2% of full's bytes; 62 over 512 tokens at
         # sparsity 4, 8%); the bench measures them and marks a cell they push past the tolerance.
-        overlay = 0.0
 
         def code(s: int) -> float:  # bytes of one coded vector against full's
             return (s * (2 + (2 if self.coef_format == "fp16" else 1)) + (0 if self.coef_format == "fp16" else 2)) \
@@ -224,7 +223,7 @@ class Fadkv(Method):
 
         def expected(s: int, vs: int, buffer: int) -> float:
             held = min(self.sinks + buffer + self.code_chunk - 1, t)
-            return (held * dense + (t - held) * (code(s) + code(vs)) / 2) / t + overlay
+            return (held * dense + (t - held) * (code(s) + code(vs)) / 2) / t
 
         sparsities = [self.sparsity] if "sparsity" in fixed else list(range(self.sparsity, 1, -1))
         for floor in (64, 16):

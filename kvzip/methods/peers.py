@@ -101,19 +101,14 @@ class HfFp8(Method):
 
     def plan_budget(self, budget, fixed):
         """No option changes its size: one byte a value (its per-row scales are negligible)."""
-        return _fixed_plan(budget, 1 / budget.shape.element_size, "fp8")
+        from kvzip.budget import Plan
+
+        return Plan({}, 1 / budget.shape.element_size)
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
         _full_attention_only(model, self.name)
         return KVCache([PeerFp8Layer() for _ in range(layers)], self)
-
-
-def _fixed_plan(budget, ratio: float, what: str, options: dict | None = None):
-    from kvzip.budget import TOLERANCE, Plan
-
-    off = abs(ratio / budget.fraction - 1) > TOLERANCE
-    return Plan(options or {}, ratio, f"{what} holds {ratio:.3f} of full's bytes" if off else "")
 
 
 @dataclass
@@ -133,7 +128,7 @@ class _Quanto(Method):
         """The bit width is the method's; F sets the residual (up to `residual_length - 1` newest tokens in full
         precision) and, when even a 16-token residual does not fit, the group size (a scale and a shift in the
         model's dtype per `q_group_size` values) grows to the widest that divides the head size (up to 128)."""
-        from kvzip.budget import Plan
+        from kvzip.budget import TOLERANCE, Plan
 
         t, e = budget.tokens, budget.shape.element_size
         widest = max(g for g in (16, 32, 64, 128) if budget.shape.head_dim % g == 0)  # a group stays in one head
@@ -149,15 +144,16 @@ class _Quanto(Method):
 
         for group in groups:
             if "residual_length" in fixed:
-                if expected(group, self.residual_length) <= budget.fraction * 1.1:
+                if expected(group, self.residual_length) <= budget.fraction * (1 + TOLERANCE):
                     return Plan({"q_group_size": group}, expected(group, self.residual_length))
                 continue
-            fits = [r for r in range(min(budget.new_tokens + 1, 1 << 20), 15, -1) if expected(group, r) <= budget.fraction]
-            if fits:
-                return Plan({"q_group_size": group, "residual_length": fits[0]}, expected(group, fits[0]))
+            residual = next((r for r in range(budget.new_tokens + 1, 15, -1) if expected(group, r) <= budget.fraction),
+                            None)  # the longest full-precision residual that fits
+            if residual is not None:
+                return Plan({"q_group_size": group, "residual_length": residual}, expected(group, residual))
         residual = self.residual_length if "residual_length" in fixed else 16
         smallest = {k: v for k, v in (("q_group_size", groups[-1]), ("residual_length", residual)) if k not in fixed}
-        return _fixed_plan(budget, expected(groups[-1], residual), f"int{self.bits}", smallest)
+        return Plan(smallest, expected(groups[-1], residual))  # kvzip.budget.plan notes how far from F it lands
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
