@@ -3,7 +3,7 @@
 A transformers cache layer's `update()` never sees the query, but compressed-domain attention and thought selection
 need it. Every kvzip model runs this function instead of SDPA: when the forward call carries a kvzip cache
 (`kvzip_cache=...` in the model kwargs, see `KVCache.model_kwargs`) and the layer has an `attend` method, the layer
-computes attention itself; otherwise this is exactly transformers' SDPA path, so `model.generate` and the `full` method
+computes attention itself, handed the cache's `ForwardState` for this forward; otherwise this is exactly transformers' SDPA path, so `model.generate` and the `full` method
 stay token-identical to stock transformers.
 """
 
@@ -24,7 +24,7 @@ def kvzip_attention(module, query, key, value, attention_mask, scaling=None, dro
         layer = cache.layers[module.layer_idx]
         attend = getattr(layer, "attend", None)
         if attend is not None:
-            return attend(module, query, key, value, attention_mask, scaling), None
+            return attend(module, query, key, value, attention_mask, scaling, cache.state), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

@@ -6,7 +6,9 @@ Three levels, as in transformers' cache_utils:
   `model_kwargs()` (passes the cache to kvzip's attention function), `on_step(token_ids, texts)` after every sampled
   token (a method that segments thoughts watches the text there), `memory()` and `stats()`.
 - `KVLayer(CacheLayerMixin)`: owns one layer's state. A layer that needs the query implements
-  `attend(module, query, key, value, mask, scaling) -> (B, q, Hq, d)`; kvzip's attention function calls it.
+  `attend(module, query, key, value, mask, scaling, state) -> (B, q, Hq, d)`; kvzip's attention function calls it
+  with `state`, the cache's `ForwardState` for this forward (built in `before_forward`): what a layer needs from
+  beyond itself arrives there, and what it hands the cache (queries for votes) it leaves there with `record`.
 
 Memory is reported by tier, in bytes, as what is really held (the spare room a dense tier keeps for appending,
 `DenseLayer.SPARE`, aside):
@@ -265,12 +267,26 @@ class DenseLayer(KVLayer):
         return torch.arange(self.seen, self.seen + q, device=self.device).expand(self.batch, q)
 
 
+class ForwardState:
+    """What one forward hands every layer's `attend`, built once by the cache's `before_forward`, and the one place a
+    layer leaves what the cache reads back in `after_forward`. A method that needs more (RoPE tables, the rows'
+    thought state) subclasses it; a layer reads what it is handed here and never reaches its cache."""
+
+    def __init__(self, attention_mask: torch.Tensor | None, new_tokens: int):
+        self.attention_mask, self.new_tokens = attention_mask, new_tokens  # the 2D mask (B, past + new) and q
+        self.records: dict[int, typing.Any] = {}  # layer index -> what that layer handed back this forward
+
+    def record(self, layer_idx: int, value) -> None:
+        self.records[layer_idx] = value
+
+
 class KVCache(Cache):
     """A transformers Cache of kvzip layers, with the hooks the engine calls for every method alike."""
 
     def __init__(self, layers: list[CacheLayerMixin], method: "Method"):
         super().__init__(layers=layers)
         self.method = method
+        self.state: ForwardState | None = None  # this forward's, from before_forward; None outside a forward
 
     def model_kwargs(self) -> dict:
         """Extra keyword arguments for the model's forward: hands this cache to kvzip's attention function."""
@@ -290,7 +306,8 @@ class KVCache(Cache):
     def before_forward(self, attention_mask: torch.Tensor, new_tokens: int) -> None:
         """Called before every forward with the 2D mask (B, past + new_tokens) the forward will get: cache-wide
         work for the tokens about to be fed (plans, rebuilds, evictions) runs here, never inside a layer's forward.
-        No-op by default."""
+        Builds `state`, what every layer's `attend` is handed; a subclass calls this first, or sets its own."""
+        self.state = ForwardState(attention_mask, new_tokens)
 
     def after_forward(self) -> None:
         """Called after every forward, once every layer has stored its new tokens and attended: cache-wide work that

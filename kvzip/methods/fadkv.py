@@ -90,7 +90,7 @@ class FadkvLayer(CodedAttention, DenseLayer):
     def kinds(self) -> tuple[CodedKind, CodedKind]:
         return self.coded_keys, self.coded_values
 
-    def attend(self, module, query, key, value, mask, scaling):
+    def attend(self, module, query, key, value, mask, scaling, state=None):
         return self._attention(query, mask, scaling)  # coding runs after the forward (FadkvCache.after_forward)
 
     def memory(self) -> dict[str, int]:
@@ -135,6 +135,7 @@ class FadkvCache(KVCache):
         self.coding, self.decoded = CodingStats(), 0
 
     def before_forward(self, attention_mask: torch.Tensor, new_tokens: int) -> None:
+        super().before_forward(attention_mask, new_tokens)
         self.decoded = 0 if new_tokens > 1 else self.decoded + 1
 
     def after_forward(self) -> None:

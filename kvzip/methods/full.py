@@ -41,7 +41,7 @@ class FullSlidingLayer(FullLayer, DynamicSlidingWindowLayer):
 class KvzipAttentionLayer(DenseLayer):
     """Every token kept, attention by kvzip's own path (`Full(attention="kvzip")`)."""
 
-    def attend(self, module, query, key, value, mask, scaling):
+    def attend(self, module, query, key, value, mask, scaling, state=None):
         return dense_attention(query, key, value, mask, scaling)
 
 

@@ -37,7 +37,7 @@ class H2OLayer(WindowLayer):
         self.extend("score", self.score.new_zeros(self.batch, key_states.shape[2]))
         return out
 
-    def attend(self, module, query, key, value, mask, scaling):
+    def attend(self, module, query, key, value, mask, scaling, state=None):
         q_len, s = query.shape[2], self.keys.shape[2]
         if mask is not None:
             m = gather_mask(mask, self.positions)  # (B, 1, q, S)

@@ -114,7 +114,7 @@ class RKVLayer(WindowLayer):
         """(B, H, q): every head keeps its own tokens, so positions are per head."""
         return torch.arange(self.seen, self.seen + q, device=self.device).expand(self.batch, self.kv_heads, q)
 
-    def attend(self, module, query, key, value, mask, scaling):
+    def attend(self, module, query, key, value, mask, scaling, state=None):
         b, hq, q, d = query.shape
         if self.first is None:
             self.first = leading_padding(mask, self.batch, self.device)
@@ -177,6 +177,7 @@ class RKVCache(WindowCache):
         self.since, self.fed, self.prompt = 0, 0, False
 
     def before_forward(self, attention_mask, new_tokens: int) -> None:
+        super().before_forward(attention_mask, new_tokens)
         # A prompt: more than one token, or a cache's first forward (a one-token prompt alone is one in a batch too).
         self.fed, self.prompt = new_tokens, new_tokens > 1 or not self.layers[0].is_initialized
 

@@ -35,7 +35,7 @@ class WindowLayer(DenseLayer):
         super().reset()
         self.evicted, self.pad = 0, None
 
-    def attend(self, module, query, key, value, mask, scaling):
+    def attend(self, module, query, key, value, mask, scaling, state=None):
         if self.pad is None:
             self.pad = leading_padding(mask, self.batch, self.keys.device)
         out = dense_attention(query, key, value, mask, scaling, positions=self.positions)

@@ -98,7 +98,7 @@ class ThoughtLayer(DenseLayer):
     # rows, summaries, index keys and detail are per-row state beyond keys and values: reordering rows is refused
     ROW_TENSORS = ()
 
-    def attend(self, module, query, key, value, mask, scaling):
+    def attend(self, module, query, key, value, mask, scaling, state=None):
         out = self._attention(query, mask, scaling)
         if self.cache.any_voting:  # the votes are cast for all layers at once, after the forward
             self.cache.queries.append((self, query[:, :, -1]))
@@ -253,6 +253,7 @@ class ThoughtCache(KVCache):
     def before_forward(self, attention_mask, new_tokens: int):
         """Before the forward: settle the previous forward's votes, rebuild the rows whose zoom set or tail moved (every
         layer receives this forward's tokens after its rebuild, so the tail stays at the end), start this forward."""
+        super().before_forward(attention_mask, new_tokens)
         t0 = time.perf_counter()
         past, q_len, device = self.seen, new_tokens, attention_mask.device
         if not self.rows:
