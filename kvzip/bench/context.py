@@ -24,6 +24,7 @@ class Context:
     tick: object = lambda n=1: None
     ref: dict = field(default_factory=dict)  # filled while `full` runs, read by every other setting
     _prose: list | None = None
+    _documents: dict = field(default_factory=dict)  # row -> that row's long document, tokenized
 
     def prose(self, n: int, offset: int = 0) -> list[int]:
         """n tokens of held-out prose starting `offset` tokens in (rows use disjoint offsets)."""
@@ -34,6 +35,20 @@ class Context:
         if len(self._prose) < offset + n:
             raise ValueError(f"held-out prose has {len(self._prose)} tokens, {offset + n} needed")
         return self._prose[offset : offset + n]
+
+    def document(self, row: int, n: int) -> list[int]:
+        """The first n tokens of long held-out document `row` (kvzip.data.long_documents, longest first): a text
+        whose tokens depend on what was written thousands of tokens before, one document per row."""
+        if row not in self._documents:
+            from kvzip.data import long_documents
+
+            docs = long_documents()
+            if row >= len(docs):
+                raise ValueError(f"{len(docs)} long documents, row {row} asked for")
+            self._documents[row] = self.tokenizer(docs[row], add_special_tokens=False)["input_ids"]
+        if len(self._documents[row]) < n:
+            raise ValueError(f"long document {row} has {len(self._documents[row])} tokens, {n} needed")
+        return self._documents[row][:n]
 
     def chat_prompt(self, text: str) -> list[int]:
         return engine.encode(self.tokenizer, text, raw=self.tokenizer.chat_template is None)

@@ -1,11 +1,11 @@
 """The bench workloads, each run for one method setting against `full`'s figures from the same run.
 
 - `output` (the quality workload for every method): teacher forcing of a long *output*. After a short chat prompt,
-  held-out text (`kvzip.data.evaluation_prose`, disjoint from dictionary calibration) is fed as the model's own
-  answer, one token per row per step, through the same hooks as generation (`kvzip.evaluate.teacher_forced`):
+  a long held-out document (`kvzip.data.long_documents`: Wikipedia articles, whose names and facts recur thousands
+  of tokens after they are introduced; disjoint from dictionary calibration) is fed as the model's own answer, one token per row per step, through the same hooks as generation (`kvzip.evaluate.teacher_forced`):
   perplexity, top-1 agreement and KL against `full` over every fed position, and KV bytes by tier at the end. Rows
   are separate texts, batched. This is what both papers compress: a cache's cost grows with what the model writes.
-- `prompt`: the text prefilled as a *prompt*, then its last positions fed one by one: prompt compression. Methods
+- `prompt`: the first document prefilled as a *prompt*, then its last positions fed one by one: prompt compression. Methods
   that keep the prompt in full by design (`Method.keeps_prompt`: zoomr, sumr) are skipped here with that reason.
 - `reasoning`: greedy generation on GSM8K evaluation problems through the engine: greedy agreement with `full`
   and accuracy (meaningful only for a model that can solve GSM8K).
@@ -33,7 +33,7 @@ from kvzip.bench.context import Context, budget_fields, headline, resolve, run_g
 from kvzip.bench.reasoning import reasoning
 from kvzip.bench.recall import recall, recall_units
 
-OUTPUT_PROMPT = "Work through the following problems and explanations step by step, one paragraph per step."
+OUTPUT_PROMPT = "Write a long, detailed encyclopedia article on a subject of your choice, section by section."
 
 
 def _forced(ctx: Context, label: str, key, method, dictionaries, prompts, forced) -> dict:
@@ -68,9 +68,8 @@ def _forced(ctx: Context, label: str, key, method, dictionaries, prompts, forced
 def output(ctx: Context, label: str, method, dictionaries) -> dict:
     cfg, runs = ctx.cfg, []
     prompt = ctx.chat_prompt(OUTPUT_PROMPT)
-    longest = max(cfg.output_tokens)
     for length in cfg.output_tokens:
-        forced = [ctx.prose(length, row * longest) for row in range(cfg.output_rows)]
+        forced = [ctx.document(row, length) for row in range(cfg.output_rows)]
         record = _forced(ctx, label, ("output", length), method, dictionaries, [prompt] * cfg.output_rows, forced)
         runs.append({"context": length, "prompt_tokens": len(prompt), **record})
     return headline(runs)
@@ -79,7 +78,7 @@ def output(ctx: Context, label: str, method, dictionaries) -> dict:
 def prompt(ctx: Context, label: str, method, dictionaries) -> dict:
     cfg, runs = ctx.cfg, []
     for length in cfg.prompt_contexts:
-        ids = ctx.prose(length)
+        ids = ctx.document(0, length)
         prefix = length - cfg.prompt_positions
         record = _forced(ctx, label, ("prompt", length), method, dictionaries, [ids[:prefix]], [ids[prefix:]])
         runs.append({"context": length, **record})
