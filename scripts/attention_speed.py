@@ -4,7 +4,7 @@ Why a script: the model-level decode ratio (`kvzip bench --workloads speed`) mix
 coding of each chunk and the machine's load; this isolates the part that compressed-domain attention changes.
 A `FadkvLayer` of the default model's shipped dictionaries (layer 10) is filled with --tokens random keys and values
 (the cost does not depend on what the codes hold) and coded, then one query at a time is timed through
-`FadkvLayer._attention`, best of --repeats, for pre-RoPE keys (the default dictionary) and post-RoPE keys, by the
+`FadkvLayer.attend`, best of --repeats, for pre-RoPE keys (the default dictionary) and post-RoPE keys, by the
 fused CPU kernel (kvzip/kernels, `kernel=auto`) and by the PyTorch reference (`kernel=torch`); dense is kvzip's
 grouped decode kernel (`kvzip.attention.grouped_attention`, SDPA with each KV head's query heads stacked) over fp32
 keys and values of the same length (3 KV heads, 9 query heads, d=64, as SmolLM2-135M), for --batch rows. Threads:
@@ -50,6 +50,7 @@ def main() -> None:
     from kvzip.methods import get_method
     from kvzip.methods.coded.coding import CodingStats
     from kvzip.methods.coded.compress import compress
+    from kvzip.methods.coded.forward import CodedState
     from kvzip.methods.fadkv import FadkvLayer
     from kvzip.sparse.dictionary import KVDictionary, prepare_layers
 
@@ -76,10 +77,11 @@ def main() -> None:
                                rope=inv_freq if paired else None)
             layer.update(keys, values)
             compress([layer], CodingStats())
-            if kernel == "auto" and not layer._fused():
+            if kernel == "auto" and not layer.fused():
                 print(f"fadkv {label}: no fused kernel here ({kernels.status()})")
                 continue
-            coded = best_ms(lambda: layer._attention(query, None, d ** -0.5), args.repeats)
+            state = CodedState.build([layer], None, 1, {})  # built once a forward, before it: not timed
+            coded = best_ms(lambda: layer.attend(None, query, None, None, None, d ** -0.5, state), args.repeats)
             print(f"fadkv {label}, {'fused kernel' if kernel == 'auto' else 'PyTorch path'}: {coded:.2f} ms "
                   f"({coded / dense:.2f}x dense), {layer.coded_pos.shape[1]} tokens coded")
 

@@ -1,5 +1,5 @@
 """Check the package's structure without importing anything: no module outside `cli/` imports the CLI, no import
-cycle among the package's modules, and no file longer than MAX_LINES.
+cycle among the package's modules, no file longer than MAX_LINES, and no cache layer that keeps hold of its cache.
 
     python scripts/check_structure.py            # the kvzip/ package beside this script
     python scripts/check_structure.py path/pkg   # any package folder (the tests use a crafted bad one)
@@ -20,6 +20,10 @@ Every `.py` file is parsed with `ast`. An import names a module of the package w
 
 - The size rule keeps each file readable in one sitting: a module that outgrows it splits (a method moves its
   machinery into a module of its own, as `methods/coded/` and `methods/thoughts/` do).
+- The layer rule: a class under `methods/` whose name ends in `Layer` reads what its cache hands it each forward
+  (`ForwardState`) and never keeps the cache or state shared among layers: none of its methods assigns `self.cache`
+  or `self.rope_memo`, or stores on `self` a parameter annotated with a cache class or a cache it builds (a cache
+  class: `Cache`, `KVCache`, or any class of the package deriving from one, by name).
 
 Exit code 0 when every rule holds, 1 with one line per violation otherwise.
 """
@@ -31,6 +35,7 @@ import sys
 from pathlib import Path
 
 MAX_LINES = 400
+LAYER_REACH = ("cache", "rope_memo")  # what a cache layer may not keep: its cache, state its cache's layers share
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -115,14 +120,91 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def cache_classes(trees: list[ast.Module]) -> set[str]:
+    """Names of the cache classes: `Cache`, `KVCache` and every class of the package deriving from one (by name)."""
+    bases: dict[str, list[str]] = {}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+    found, grown = {"Cache", "KVCache"}, True
+    while grown:
+        new = {name for name, of in bases.items() if name not in found and any(b in found for b in of)}
+        found |= new
+        grown = bool(new)
+    return found
+
+
+def _annotation_names(node: ast.AST | None) -> set[str]:
+    """Every name an annotation mentions, string annotations ("ThoughtCache", "list[X]") included."""
+    names: set[str] = set()
+    for sub in ast.walk(node) if node is not None else ():
+        if isinstance(sub, ast.Name):
+            names.add(sub.id)
+        elif isinstance(sub, ast.Attribute):
+            names.add(sub.attr)
+        elif isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+            try:
+                names |= _annotation_names(ast.parse(sub.value, mode="eval"))
+            except SyntaxError:
+                pass
+    return names
+
+
+def layer_reaches(tree: ast.Module, path: Path, caches: set[str]) -> list[str]:
+    """The layer rule's violations in one module (module docstring)."""
+    problems = []
+    for cls in ast.walk(tree):
+        if not (isinstance(cls, ast.ClassDef) and cls.name.endswith("Layer")):
+            continue
+        for func in cls.body:
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = func.args
+            held = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)
+                    if _annotation_names(a.annotation) & caches}
+            for node in ast.walk(func):
+                if isinstance(node, ast.Assign):
+                    pairs = [(t, node.value) for t in node.targets]
+                elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                    pairs = [(node.target, node.value)]
+                else:
+                    continue
+                for target, value in list(pairs):  # a, b = x, y: each target with its own value
+                    if isinstance(target, ast.Tuple):
+                        values = value.elts if isinstance(value, ast.Tuple) and len(value.elts) == len(target.elts) \
+                            else [value] * len(target.elts)
+                        pairs += list(zip(target.elts, values))
+                for target, value in pairs:
+                    if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                            and target.value.id == "self"):
+                        continue
+                    called = value.func if isinstance(value, ast.Call) else None
+                    if target.attr in LAYER_REACH:
+                        what = f"self.{target.attr}"
+                    elif isinstance(value, ast.Name) and value.id in held:
+                        what = f"a cache (self.{target.attr} = {value.id})"
+                    elif called is not None and _annotation_names(called) & caches:
+                        what = f"a cache it builds (self.{target.attr})"
+                    else:
+                        continue
+                    problems.append(f"{path}:{node.lineno}: {cls.name}.{func.name} keeps {what}: a layer reads what "
+                                    "its cache hands it each forward (`state`), never the cache")
+    return problems
+
+
 def check(root: Path) -> tuple[list[str], str]:
     """(violations, summary line) for the package folder `root`."""
     known = modules(root)
     cli = f"{root.name}.cli"
     graph: dict[str, set[str]] = {m: set() for m in known}
     problems, lazy, eager = [], 0, 0
+    trees = {module: ast.parse(path.read_text(), filename=str(path)) for module, path in known.items()}
+    caches = cache_classes(list(trees.values()))
     for module, path in known.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = trees[module]
+        if module.startswith(f"{root.name}.methods."):
+            problems += layer_reaches(tree, path, caches)
         for node, top in _imports(tree):
             for target in targets(node, module, path.name == "__init__.py", known):
                 if target == module:
@@ -144,7 +226,8 @@ def check(root: Path) -> tuple[list[str], str]:
         problems.append(f"import cycle among module-level imports: {' <-> '.join(component)}")
     summary = (f"{len(known)} modules, {eager} module-level and {lazy} deferred (in a function or TYPE_CHECKING) "
                f"imports of {root.name} modules; "
-               f"no module outside {cli} imports it, no import cycle, no file over {MAX_LINES} lines")
+               f"no module outside {cli} imports it, no import cycle, no file over {MAX_LINES} lines, "
+               "no layer that keeps its cache")
     return problems, summary
 
 

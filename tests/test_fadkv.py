@@ -11,6 +11,7 @@ from kvzip.errors import UserError
 from kvzip.methods import get_method
 from kvzip.methods.coded.coding import CodingStats
 from kvzip.methods.coded.compress import compress
+from kvzip.methods.coded.forward import CodedState
 from kvzip.methods.fadkv import FadkvCache, FadkvLayer
 from kvzip.rope import from_pairs, rotate
 from kvzip.sparse.dictionary import prepare_layers
@@ -33,9 +34,17 @@ def step(layer, k, v, q):
     """One decode forward of a lone layer, through its cache's lifecycle: store, attend, then code what is due."""
     layer.cache.before_forward(torch.ones(k.shape[0], layer.seen + k.shape[2], dtype=torch.long), k.shape[2])
     layer.update(k, v)
-    out = layer.attend(None, q, None, None, None, 0.25)
+    out = layer.attend(None, q, None, None, None, 0.25, layer.cache.state)
     layer.cache.after_forward()
     return out
+
+
+def attend(layer, query, mask=None):
+    """One more query's attention on a layer (no new token stored), handed a `CodedState` as its cache's
+    `before_forward` builds it; `mask` is the 4D mask (B, 1, q, P) the model would pass, or None."""
+    visible = None if mask is None else (mask if mask.dtype == torch.bool else mask == 0)[:, 0, 0]
+    state = CodedState.build([layer], visible, query.shape[2], {})
+    return layer.attend(None, query, None, None, mask, 0.25, state)
 
 
 def feed(layer, steps, batch=1, heads=2, dim=16, q_heads=4, seed=0):
@@ -78,7 +87,7 @@ def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, val
     if adapt != "none":
         assert layer.cache.coding.replaced > 0
     query = torch.randn(1, 4, 1, 16)
-    got = layer._attention(query, None, 0.25)  # (1, 1, 4, 16)
+    got = attend(layer, query)  # (1, 1, 4, 16)
     keys, values = dense_keys_values(layer, 0)
     keys, values = keys.repeat_interleave(2, 0), values.repeat_interleave(2, 0)  # GQA: 2 query heads per KV head
     w = torch.softmax(query[0] @ keys.transpose(-1, -2) * 0.25, -1)
@@ -100,7 +109,7 @@ def test_prerope_attention_equals_dense_reference(tiny_dictionaries, adapt, kern
     feed(layer, 60)
     assert layer.coded_pos.shape[1] > 40
     query = torch.randn(1, 4, 1, 16)
-    got = layer._attention(query, None, 0.25)
+    got = attend(layer, query)
     keys, values = dense_keys_values(layer, 0)
     keys, values = keys.repeat_interleave(2, 0), values.repeat_interleave(2, 0)
     w = torch.softmax(query[0] @ keys.transpose(-1, -2) * 0.25, -1)
@@ -117,7 +126,7 @@ def test_multi_token_query_over_codes_equals_dense_reference(tiny_dictionaries, 
     g = torch.Generator().manual_seed(3)
     layer.update(torch.randn(1, 2, 3, 16, generator=g), torch.randn(1, 2, 3, 16, generator=g))
     query = torch.randn(1, 4, 3, 16, generator=g)
-    got = layer._attention(query, None, 0.25)  # (1, 3, 4, 16)
+    got = attend(layer, query)  # (1, 3, 4, 16)
     keys_d, values_d = dense_keys_values(layer, 0)
     keys_d, values_d = keys_d.repeat_interleave(2, 0), values_d.repeat_interleave(2, 0)
     scores = query[0] @ keys_d.transpose(-1, -2) * 0.25  # (4, 3, S)
@@ -145,7 +154,8 @@ def test_rebuilt_values_equal_per_atom_sums(tiny_dictionaries, adapt, monkeypatc
     values = layer.coded_values
     per_atom = values.values_from_atoms(coded.atom_weights(w, values.codes.idx.long(), values.codes.coefficients(),
                                                            values.n_total() + 1))
-    torch.testing.assert_close(layer._rebuilt_values(w), per_atom, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fadkv_module.rebuilt_values(w, values, layer.values.shape[-1]), per_atom, rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_fp8_table_matches_cast():
@@ -268,7 +278,7 @@ def test_prerope_dictionary_through_generate_matches_dense_rebuild(tiny, tokeniz
     for layer in cache.layers[:2]:
         assert layer.coded_pos.shape[1] > 20
         query = torch.randn(2, 4, 1, 16, generator=g)
-        got = layer._attention(query, None, 0.25)
+        got = attend(layer, query)
         for row in range(2):
             keys, values = dense_keys_values(layer, row)
             keys, values = keys.repeat_interleave(2, 0), values.repeat_interleave(2, 0)

@@ -20,7 +20,9 @@ from kvzip.methods.coded.coding import CodingStats
 from kvzip.methods.coded.compress import compress
 from kvzip.methods.fadkv import FadkvLayer
 from kvzip.sparse.dictionary import KVDictionary, prepare_layers
-from tests.test_fadkv import SMALL, make_layer, step
+from kvzip.methods.coded.forward import first_visible
+from kvzip.methods.thoughts.layer import ThoughtState
+from tests.test_fadkv import SMALL, attend, make_layer, step
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.status())
 
@@ -28,12 +30,12 @@ INV_FREQ = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
 
 
 def fused_and_reference(layer, query, mask=None):
-    assert layer._fused()
-    got = layer._attention(query, mask, 0.25)
+    assert layer.fused()
+    got = attend(layer, query, mask)
     fused_cfg = layer.cfg
     layer.cfg = dataclasses.replace(fused_cfg, kernel="torch")
     try:
-        want = layer._attention(query, mask, 0.25)
+        want = attend(layer, query, mask)
     finally:
         layer.cfg = fused_cfg
     return got, want
@@ -96,7 +98,7 @@ def test_one_long_row_split_into_chunks_equals_the_reference(keys):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     mask = torch.ones(1, 1, 1, layer.seen + 1, dtype=torch.bool)
     mask[..., :700] = False
-    assert layer._first_visible(mask, 1).tolist() == [700]
+    assert first_visible(mask[:, 0, 0], 1, "cpu").tolist() == [700]
     got, want = fused_and_reference(layer, query, mask)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
@@ -132,14 +134,14 @@ def test_left_padding_masks_are_read_from_positions(tiny_dictionaries):
     mask = torch.ones(2, 1, 1, width, dtype=torch.bool)
     mask[0, ..., :6] = False
     mask[1, ..., :9] = False
-    assert layer._first_visible(mask, 2).tolist() == [6, 9]
+    assert first_visible(mask[:, 0, 0], 2, "cpu").tolist() == [6, 9]
     got, want = fused_and_reference(layer, torch.randn(2, 4, 1, 16, generator=g), mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     additive = torch.zeros(2, 1, 1, width).masked_fill(~mask, float("-inf"))
-    assert layer._first_visible(additive, 2).tolist() == [6, 9]
+    assert first_visible(additive[:, 0, 0] == 0, 2, "cpu").tolist() == [6, 9]
     mask = mask.clone()  # (a new mask, as every forward brings)
     mask[0, ..., 20] = False  # not a left padding: the general path
-    assert layer._first_visible(mask, 2) is None
+    assert first_visible(mask[:, 0, 0], 2, "cpu") is None
 
 
 @pytest.mark.parametrize("method", ["fadkv", "lexico"])
@@ -268,10 +270,9 @@ def test_thought_caches_attend_alike_with_the_kernel_and_the_reference(tiny, tok
     assert cache.rebuilds > 0 and (cache.layers[0].slots < 0).any()  # rows of different lengths were rebuilt
     query = torch.randn(2, tiny.config.num_attention_heads, 1, 16)
     mask = torch.ones(2, 1, 1, cache.layers[0].seen + 1, dtype=torch.bool)
+    fused, reference = (ThoughtState(None, 1, cache.first_real, kernel=kernel) for kernel in ("auto", "torch"))
     for layer in cache.layers:
-        assert layer._fused(query)
-        got = layer._attention(query, mask, 0.25)
-        cache.config = dataclasses.replace(cache.config, kernel="torch")
-        want = layer._attention(query, mask, 0.25)
-        cache.config = dataclasses.replace(cache.config, kernel="auto")
+        assert layer._fused(query, "auto") and not layer._fused(query, "torch")
+        got = layer._attention(query, mask, 0.25, fused)
+        want = layer._attention(query, mask, 0.25, reference)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

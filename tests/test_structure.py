@@ -81,3 +81,31 @@ def test_a_file_over_the_limit_fails(tmp_path):
     assert sorted(got.stdout.strip().splitlines()) == sorted(
         f"{root / where}: 401 lines; a file stays under 400: split it (a method moves its machinery into a module "
         "of its own)" for where in ("engine.py", "methods/big.py"))
+
+
+def test_a_layer_that_keeps_its_cache_fails(tmp_path):
+    """A `...Layer` class under methods/ that assigns self.cache or self.rope_memo, or stores a cache (a parameter
+    annotated with a cache class, or one it builds), fails; the same outside methods/, or in a class not named
+    `...Layer`, or a layer storing other parameters, passes."""
+    root = package(tmp_path, {
+        "methods/__init__.py": "",
+        "methods/base.py": "class KVCache:\n    pass\n",
+        "methods/a.py": ("from pkg.methods.base import KVCache\n"
+                         "class MyCache(KVCache):\n    pass\n"
+                         "class ALayer:\n    def __init__(self, cache, idx: int):\n        self.cache, self.idx = cache, idx\n"
+                         "class BLayer:\n    def __init__(self, memo=None):\n        self.rope_memo = memo\n"
+                         "class CLayer:\n    def __init__(self, owner: 'MyCache'):\n        self.owner = owner\n"
+                         "class DLayer:\n    def setup(self):\n        self.mine = MyCache()\n"
+                         "class FineLayer:\n    def __init__(self, idx: int, rope=None):\n        self.idx, self.rope = idx, rope\n"
+                         "class Helper:\n    def __init__(self, cache):\n        self.cache = cache\n"),
+        "other.py": "class OutsideLayer:\n    def __init__(self, cache):\n        self.cache = cache\n",
+    })
+    got = run(root)
+    assert got.returncode == 1
+    lines = got.stdout.strip().splitlines()
+    path = root / "methods" / "a.py"
+    assert [line.split(": ", 1)[0] for line in lines] == [f"{path}:{n}" for n in (6, 9, 12, 15)], got.stdout
+    assert all("a layer reads what its cache hands it each forward" in line for line in lines)
+    assert "ALayer.__init__ keeps self.cache" in lines[0] and "BLayer.__init__ keeps self.rope_memo" in lines[1]
+    assert "CLayer.__init__ keeps a cache (self.owner = owner)" in lines[2]
+    assert "DLayer.setup keeps a cache it builds (self.mine)" in lines[3]

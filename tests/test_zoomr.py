@@ -141,7 +141,7 @@ def voting_layer(tiny, keys, opts):
         cache.index.add(0, k.expand(len(cache.layers), *k.shape))  # every layer's index key (L, Hkv, d)
     cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
     cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(len(keys))]
-    cache.voting, cache.any_voting = torch.ones(1, dtype=torch.bool), True
+    cache.voting = torch.ones(1, dtype=torch.bool)
     return cache, layer
 
 
@@ -149,8 +149,7 @@ def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
     eye = torch.eye(16)
     keys = [eye[t].expand(2, 16) for t in range(5)]  # (Hkv, d): thought t's index key is direction t
     cache, layer = voting_layer(tiny, keys, {"votes_per_head": "1", "zoom_thoughts": "1"})
-    cache.queries = [(layer, (10 * eye[3]).expand(1, 4, 16))]  # (1, Hq=4, 16): every head points at thought 3
-    cache.cast_votes()
+    cache.cast_votes({layer.idx: (10 * eye[3]).expand(1, 4, 16)})  # (1, Hq=4, 16): every head points at thought 3
     assert cache.ballot.votes.argmax().item() == 3 and cache.ballot.votes[0, 3] == 4  # 4 query heads, 1 vote each
     assert cache._select() and cache.rows[0].zoom == [3]
 
@@ -165,8 +164,7 @@ def test_centered_index_removes_what_every_thought_shares(tiny):
     query = 0.3 * shared + own[2]
     assert (raw @ query).argmax().item() == 0
     cache, layer = voting_layer(tiny, [k.expand(2, 16) for k in raw], {"votes_per_head": "1", "zoom_thoughts": "1"})
-    cache.queries = [(layer, query.expand(1, 4, 16))]  # (1, Hq=4, 16)
-    cache.cast_votes()
+    cache.cast_votes({layer.idx: query.expand(1, 4, 16)})  # (1, Hq=4, 16)
     assert cache.ballot.votes.argmax().item() == 2
     stacked = cache.index.keys()[layer.idx]  # (B, Hkv, T, d)
     want = torch.nn.functional.normalize(raw - raw.mean(0), dim=-1)
@@ -283,12 +281,10 @@ def test_tails_move_together_every_quarter_window_of_decode_steps(tiny, tokenize
     import kvzip.methods.thoughts.cache as thought_cache
     at = []
     real = thought_cache.rebuild_rows
-    monkeypatch.setattr(thought_cache, "rebuild_rows",
-                        lambda cache, moved: (at.append(cache.steps), real(cache, moved)))
-    method = get_method("sumr", {**SMALL, "max_thought_tokens": "5"})
+    cache = get_method("sumr", {**SMALL, "max_thought_tokens": "5"}).make_cache(tiny)
+    monkeypatch.setattr(thought_cache, "rebuild_rows", lambda *args: (at.append(cache.steps), real(*args)))
     prompts = [tokenizer("a")["input_ids"], tokenizer("a much longer prompt here")["input_ids"]]
-    list(engine.generate(tiny, tokenizer, prompts, method.make_cache(tiny),
-                         engine.Settings(max_new_tokens=40, ignore_eos=True)))
+    list(engine.generate(tiny, tokenizer, prompts, cache, engine.Settings(max_new_tokens=40, ignore_eos=True)))
     decoding = at[1:]  # the first is the prompt's
     assert len(decoding) >= 10 and all(step % 2 == 0 for step in decoding)
 

@@ -5,18 +5,16 @@ Three levels, as in transformers' cache_utils:
 - `KVCache(transformers.Cache)`: one layer per model layer, plus the hooks the engine calls for every method alike:
   `model_kwargs()` (passes the cache to kvzip's attention function), `on_step(token_ids, texts)` after every sampled
   token (a method that segments thoughts watches the text there), `memory()` and `stats()`.
-- `KVLayer(CacheLayerMixin)`: owns one layer's state. A layer that needs the query implements
-  `attend(module, query, key, value, mask, scaling, state) -> (B, q, Hq, d)`; kvzip's attention function calls it
-  with `state`, the cache's `ForwardState` for this forward (built in `before_forward`): what a layer needs from
-  beyond itself arrives there, and what it hands the cache (queries for votes) it leaves there with `record`.
+- `KVLayer(CacheLayerMixin)`: owns one layer's state. A layer that needs the query implements `attend(module, query,
+  key, value, mask, scaling, state) -> (B, q, Hq, d)`, called with the cache's `ForwardState` for this forward (from
+  `before_forward`): what a layer needs from beyond itself arrives there, what it hands back it leaves with `record`.
 
-Memory is reported by tier, in bytes, as what is really held (the spare room a dense tier keeps for appending,
-`DenseLayer.SPARE`, aside):
-`device` dense K/V resident on the compute device, `codes` coded tokens (indices + coefficients), `dictionary`
-per-sequence dictionary state, `host` detail kept off the device. `full_same_dtype` and `fp16_full` are what a full
-cache would hold for the same tokens, so every report can state a ratio. Every layer of every method, `full` and
-transformers' own quantized layers (the peers) included, satisfies `CacheLayer`: `memory()` by tier, and
-`full_bytes()` from `FullBytes`, the one place the full-cache equivalent (sliding windows included) is counted.
+Memory is reported by tier, in bytes, as what is really held (a dense tier's spare room, `DenseLayer.SPARE`, aside):
+`device` dense K/V on the compute device, `codes` coded tokens (indices + coefficients), `dictionary` per-sequence
+dictionary state, `host` detail kept off the device; `full_same_dtype` and `fp16_full`, what a full cache would hold
+for the same tokens, give every report a ratio. Every layer of every method (`full` and transformers' quantized layers,
+the peers, included) satisfies `CacheLayer`: `memory()` by tier, and `full_bytes()` from `FullBytes`, the one place
+the full-cache equivalent (sliding windows included) is counted.
 """
 
 from __future__ import annotations

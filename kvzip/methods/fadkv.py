@@ -19,8 +19,9 @@ relative residual exceeds `adapt_threshold`, its normalised residual becomes a n
 live in its own overlay (atom number -> vector), so batched rows cannot corrupt each other, and the dictionary size a
 sequence sees stays N. `adapt=append` grows the overlay past N instead (the ablation the paper argues against);
 `adapt=none` keeps the dictionary static. Each kind's state (codes, overlay, atom counts) is one
-`kvzip.methods.coded.state.CodedKind`; coding and adaptation are kvzip/methods/coded/coding.py. Options and the
-measurements behind their defaults: docs/fadkv.md.
+`kvzip.methods.coded.state.CodedKind`; coding and adaptation are kvzip/methods/coded/coding.py. The layer is
+kvzip/methods/coded/layer.py, its attention coded/attend.py, and what each forward hands it (`CodedState`, built by
+the cache's `before_forward`) coded/forward.py. Options and the measurements behind their defaults: docs/fadkv.md.
 
 Models with more than one kind of layer: pre-RoPE keys are turned by each layer's own RoPE (kvzip.rope: Gemma 3's
 local and global bases, Phi-3's partial rotary, where only the first channels turn), and a sliding-window layer drops
@@ -35,108 +36,39 @@ from dataclasses import dataclass
 import torch
 
 from kvzip.errors import UserError
-from kvzip.methods.base import DenseLayer, KVCache, Method, check_choice, check_positive, model_layout, tensor_bytes
+from kvzip.methods.base import KVCache, Method, check_choice, check_positive, model_layout, tensor_bytes
 from kvzip.methods.fields import KERNELS
-from kvzip.methods.coded.attend import CodedAttention
 from kvzip.methods.coded.coding import ADAPT, CodingStats
 from kvzip.methods.coded.compress import compress
-from kvzip.methods.coded.state import CodedKind
+from kvzip.methods.coded.forward import CodedState
+from kvzip.methods.coded.layer import FadkvLayer
 from kvzip.placement import layer_devices
-from kvzip.rope import as_rope, attention_windows, layer_ropes, visible_from
+from kvzip.rope import attention_windows, layer_ropes
 from kvzip.sparse import CACHE_CODERS, KEY_MODES, KEY_OPTIONS, coded_attention as coded
-from kvzip.sparse.dictionary import LayerAtoms, prepare_for_devices
+from kvzip.sparse.dictionary import prepare_for_devices
 from kvzip.sparse.screen import PICKS, SHOTS
-
-
-class FadkvLayer(CodedAttention, DenseLayer):
-    """Dense sinks and buffer (keys, values, positions), older tokens coded (`coded_keys`, `coded_values`:
-    kvzip.methods.coded.state, at `coded_pos`)."""
-
-    # codes, overlays and atom counts are per-row state beyond keys and values: reordering rows is refused
-    ROW_TENSORS = ()
-
-    def __init__(self, cfg: "Fadkv", atoms: LayerAtoms, rope=None, rope_memo=None, sliding=None):
-        super().__init__(sliding)
-        self.rope = None if rope is None else as_rope(rope)  # this layer's Rope when keys are coded before RoPE
-        self.rope_memo = {} if rope_memo is None else rope_memo  # shared by a cache's layers: RoPE tables per step
-        self.cfg, self.atoms = cfg, atoms  # atoms: the layer's shared dictionary (with rope, keys in pair order)
-        self.key_mean = atoms.key_mean  # (Hkv, d) or None; with rope, in `to_pairs` order
-        self.pad = None  # (B,) left-padding tokens of each row (positions below it are padding), set by the prefill
-
-    def set_padding(self, padding: torch.Tensor) -> None:
-        """Each row's left padding, from the first prompt's mask (a later prompt continues the same rows)."""
-        if self.pad is None:
-            self.pad = padding
-
-    def reset(self) -> None:
-        super().reset()
-        self.pad = None
-
-    def dense_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dense tier (sinks + buffer) is kept in half precision when the model runs fp32: it is a cache, not a
-        compute buffer."""
-        return torch.float16 if dtype == torch.float32 else dtype
-
-    def lazy_initialization(self, key_states, value_states):
-        super().lazy_initialization(key_states, value_states)  # keys, values, positions: the dense tier
-        b, h = self.batch, self.kv_heads
-        self.coded_pos = torch.zeros(b, 0, dtype=torch.long, device=self.device)  # (B, T), -1: a hole
-        a, fmt = self.atoms, self.cfg.coef_format
-        self.coded_keys = CodedKind(a.keys, a.grams, a.slot, self.cfg.sparsity, fmt, b, h)
-        self.coded_values = CodedKind(a.values, a.grams, a.slot + 1, self.cfg.value_sparsity or self.cfg.sparsity, fmt,
-                                      b, h)
-
-    @property
-    def kinds(self) -> tuple[CodedKind, CodedKind]:
-        return self.coded_keys, self.coded_values
-
-    def attend(self, module, query, key, value, mask, scaling, state=None):
-        return self._attention(query, mask, scaling)  # coding runs after the forward (FadkvCache.after_forward)
-
-    def memory(self) -> dict[str, int]:
-        k, v = (kind.bytes() for kind in self.kinds)
-        return {"device": tensor_bytes(self.keys, self.values), "codes": k["codes"] + v["codes"],
-                "dictionary": k["dictionary"] + v["dictionary"]}
-
-    def _slide(self) -> None:
-        """Sliding-window layer, after attending: drop what its next query can no longer see. Coded tokens before the
-        window become holes (position -1, never seen) with their atoms counted off, and a column that is a hole in
-        every row goes; the dense tier loses its oldest columns where every row's are out of the window (a row's
-        others stay, hidden by the model's mask)."""
-        cut = visible_from(self.seen, self.sliding)
-        gone = (self.coded_pos >= 0) & (self.coded_pos < cut)  # (B, T)
-        if bool(gone.any()):
-            for kind in self.kinds:
-                kind.forget(gone)
-            self.coded_pos = self.coded_pos.masked_fill(gone, -1)
-            keep = (self.coded_pos >= 0).any(0).nonzero().squeeze(-1)  # (T',) columns some row still needs
-            for kind in self.kinds:
-                kind.codes.keep(keep)
-            self.coded_pos = self.coded_pos.index_select(1, keep)
-        drop = int((self.positions < cut).sum(1).min())  # holes (-1) and old tokens lead each row
-        if drop:
-            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
-            self.positions = self.positions[:, drop:]
 
 
 class FadkvCache(KVCache):
     """The layers of one cache are coded together: after a prompt and after every `code_chunk`-th decode step, every
     layer's due tokens are coded in one pass (kvzip/methods/coded/compress.py); after every forward, sliding-window
-    layers drop what their next query cannot see."""
+    layers drop what their next query cannot see. Before every forward it builds what each layer is handed
+    (`CodedState`: the fused kernel's choice, the mask's first visible positions, RoPE's tables), once for all."""
 
     def __init__(self, layers: list[FadkvLayer], method: "Fadkv", shared_bytes: int, devices: list | None = None):
         super().__init__(layers, method)
         self.shared_bytes = shared_bytes  # the shared dictionary: reported apart, not counted as cache, like weights
         self.coding, self.devices = CodingStats(), devices or [None] * len(layers)
         self.decoded = 0  # decode steps since the last prompt
+        self.rope_tables: dict = {}  # (RoPE id, device) -> RoPE's cos and sin for the kernel, kept across forwards
 
     def reset(self) -> None:
         super().reset()
         self.coding, self.decoded = CodingStats(), 0
 
     def before_forward(self, attention_mask: torch.Tensor, new_tokens: int) -> None:
-        super().before_forward(attention_mask, new_tokens)
         self.decoded = 0 if new_tokens > 1 else self.decoded + 1
+        self.state = CodedState.build(self.layers, attention_mask, new_tokens, self.rope_tables)
 
     def after_forward(self) -> None:
         if self.decoded % self.method.code_chunk == 0:  # after a prompt, and every code_chunk-th decode step
@@ -266,9 +198,8 @@ class Fadkv(Method):
         devices = layer_devices(model)  # a model split over devices: each layer's atoms, RoPE tables, coding there
         prepared = prepare_for_devices(dictionaries, devices, paired=[r.dim for r in ropes] if ropes else False)
         shared = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))
-        memos: dict = {d: {} for d in devices}
-        return FadkvCache([FadkvLayer(self, prepared[i], rope=ropes[i] if ropes else None, rope_memo=memos[devices[i]],
-                                      sliding=windows[i]) for i in range(layers)], self, shared, devices)
+        return FadkvCache([FadkvLayer(self, prepared[i], rope=ropes[i] if ropes else None, sliding=windows[i], idx=i)
+                           for i in range(layers)], self, shared, devices)
 
 
 @dataclass

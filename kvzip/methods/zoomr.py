@@ -18,7 +18,8 @@ from kvzip.errors import UserError
 from kvzip.methods.base import KVCache, Method, check_choice, check_positive, model_layout
 from kvzip.methods.fields import KERNELS
 from kvzip.methods.thoughts import budget as thought_budget
-from kvzip.methods.thoughts.cache import ThoughtCache, ThoughtConfig, Zoom
+from kvzip.methods.thoughts.cache import ThoughtCache
+from kvzip.methods.thoughts.layer import ThoughtConfig, Zoom
 from kvzip.methods.thoughts.detail import DETAILS, CodedDetail, DenseDetail, Int4Detail, Int8Detail
 from kvzip.methods.thoughts.segment import Segmentation, parse_boundary
 from kvzip.methods.thoughts.summary import SUMMARY_PICKS, SUMMARY_SOURCES

@@ -7,8 +7,8 @@ once instead of 2 x layers x rows times. With adaptation on, a vector whose rela
 `adapt_threshold` has its normalised residual placed as an atom, and is re-coded: `adapt=fixed` replaces an inactive
 atom (no live code, least recently used), so the dictionary a row sees stays N atoms; `adapt=append` grows it
 instead. At most `max_new_atoms` vectors per call (per row, layer and kind) become atoms, the worst-coded first.
-`options` is the method's options (kvzip.methods.fadkv.Fadkv): coder, screen_*, adapt, adapt_threshold,
-max_new_atoms.
+`options` is the method's options (`CodedOptions`, what kvzip.methods.fadkv.Fadkv holds): coder, screen_*, adapt,
+adapt_threshold, max_new_atoms.
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ from kvzip.methods.coded.state import CodedKind
 from kvzip.sparse.atoms import Grouped
 from kvzip.sparse.omp import omp
 from kvzip.sparse.screen import screen
-
-if typing.TYPE_CHECKING:
-    from kvzip.methods.fadkv import Fadkv
 
 ADAPT = ("fixed", "append", "none")
 NORM_EPS = 1e-8  # floor of a vector's norm in relative errors and normalised residuals: an all-zero padding key
@@ -42,7 +39,25 @@ CHUNK = 16384
 KIND_SLICE = 8192
 
 
-def code(options: "Fadkv", x: torch.Tensor, atoms: Grouped, sparsity: int):
+class CodedOptions(typing.Protocol):
+    """The options a coded cache's layers, coding and compression read (kvzip.methods.fadkv.Fadkv has them all)."""
+
+    sparsity: int
+    value_sparsity: int
+    coef_format: str
+    coder: str
+    screen_pool: int
+    screen_shots: int
+    screen_pick: str
+    adapt: str
+    adapt_threshold: float
+    max_new_atoms: int
+    buffer: int
+    sinks: int
+    kernel: str
+
+
+def code(options: CodedOptions, x: torch.Tensor, atoms: Grouped, sparsity: int):
     """x (G, m, d) -> idx, coef (G, m, s), group g coded over group g's atoms, by the options' coder (screening's
     pursuit in the fused CPU kernel where `kernel=auto` and it runs, kvzip/kernels), and the residuals x - D c
     (G, m, d)."""
@@ -144,7 +159,7 @@ def count(kinds: list[CodedKind], rows: torch.Tensor, idx: torch.Tensor, real: t
     use[:, rows], last[:, rows] = counts[..., :n], seen[..., :n]
 
 
-def code_kinds(kinds: list[CodedKind], rows: torch.Tensor, x: torch.Tensor, real: torch.Tensor, options: "Fadkv",
+def code_kinds(kinds: list[CodedKind], rows: torch.Tensor, x: torch.Tensor, real: torch.Tensor, options: CodedOptions,
                stats: CodingStats, now: int, low: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Code new vectors x (L, B', m, d) fp32 of rows (B',) for each of L kinds (same sparsity) in one coder pass:
     idx, coef (L, B', m, s). Only `real` (L, B', m) vectors count (the others are zero filler, never stored as
@@ -169,7 +184,7 @@ def code_kinds(kinds: list[CodedKind], rows: torch.Tensor, x: torch.Tensor, real
     return idx.view(L, B, m, s), coef.view(L, B, m, s)
 
 
-def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, residual, err, options: "Fadkv", stats: CodingStats,
+def adapt(kinds, rows, x, real, atoms: Grouped, idx, coef, residual, err, options: CodedOptions, stats: CodingStats,
           low: bool = False):
     """Fixed-size adaptation for every group (kind x row) at once: each group's worst-coded real vectors x (G, m, d)
     above the threshold (at most `max_new_atoms`) get their normalised residuals (`residual`, x - D c) placed as atoms

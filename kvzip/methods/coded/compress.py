@@ -24,7 +24,7 @@ from kvzip.rope import phasors, to_pairs, turn_pairs
 from kvzip.sparse.coded_attention import quantize
 
 if typing.TYPE_CHECKING:
-    from kvzip.methods.fadkv import FadkvLayer
+    from kvzip.methods.coded.layer import FadkvLayer
 
 
 def real_tokens(layer: "FadkvLayer") -> torch.Tensor:

@@ -1,50 +1,50 @@
 """A thought's end in zoomr's and sumr's caches: after the forward in which thought t of row b ended, every layer keeps
 the thought's summary tokens and index key and moves its detail off the device.
 
-`ThoughtCache.after_forward` calls `finalize` for each thought that ended; layers that share a RoPE, a kind of
-attention and the thought's slice are done in one batched pass (`finalize_group`).
+`ThoughtCache.after_forward` calls `finalize` for each thought that ended, with its layers and the row's state, and
+adds the index keys it returns to its index; layers that share a RoPE, a kind of attention and the thought's slice
+are done in one batched pass (`finalize_group`).
 """
 
 from __future__ import annotations
 
-import typing
-
 import torch
 
 from kvzip.methods.thoughts.detail import part_bytes, store_layers
+from kvzip.methods.thoughts.layer import ThoughtConfig, ThoughtLayer
+from kvzip.methods.thoughts.segment import Row
 from kvzip.methods.thoughts.summary import pick_summary
 from kvzip.rope import unrotate, visible_from
 
-if typing.TYPE_CHECKING:
-    from kvzip.methods.thoughts.cache import ThoughtCache, ThoughtLayer
 
-
-def finalize(cache: "ThoughtCache", b: int, t: int) -> None:
-    """Thought t of row b ended in this forward (all its tokens are in the tail): every layer keeps its summary
-    and index key and moves the thought's detail off the device. Rows are right-aligned and end with the tail,
-    sorted, which holds every position from its start on, so in each layer the thought is a slice at the end of
-    the row; layers that share a RoPE, a kind of attention and that slice do it in one batched pass. (A
-    sliding-window layer may have dropped the thought's first tokens already: it works on what it still has.)"""
-    start = cache.rows[b].thoughts[t][0]
-    groups: dict[tuple, list["ThoughtLayer"]] = {}
-    for layer in cache.layers:
-        first = max(start, visible_from(cache.seen - cache.q_len, layer.sliding))
+def finalize(layers: list[ThoughtLayer], config: ThoughtConfig, row: Row, b: int, t: int, seen: int,
+             q_len: int) -> torch.Tensor | None:
+    """Thought t of row b (`row`) ended in the forward that brought the last `q_len` of `seen` tokens (all its
+    tokens are in the tail): every layer keeps its summary and moves the thought's detail off the device. Rows are
+    right-aligned and end with the tail, sorted, which holds every position from its start on, so in each layer the
+    thought is a slice at the end of the row; layers that share a RoPE, a kind of attention and that slice do it in
+    one batched pass. (A sliding-window layer may have dropped the thought's first tokens already: it works on what
+    it still has.) Returns every layer's index key (L, Hkv, d) in layer order when the cache zooms in, else None."""
+    start = row.thoughts[t][0]
+    groups: dict[tuple, list[ThoughtLayer]] = {}
+    for layer in layers:
+        first = max(start, visible_from(seen - q_len, layer.sliding))
         groups.setdefault((id(layer.rope), layer.sliding is not None, first, layer.device), []).append(layer)
-    index = [finalize_group(cache, layers, b, t, first, sliding) for (_, sliding, first, _), layers in groups.items()]
-    if cache.config.zoom is None:
-        return
+    index = [finalize_group(config, group, row, b, t, first, sliding, seen)
+             for (_, sliding, first, _), group in groups.items()]
+    if config.zoom is None:
+        return None
     if len(groups) > 1:  # every layer's index key in layer order
-        at = torch.tensor([layer.idx for layers in groups.values() for layer in layers], device=index[0].device)
+        at = torch.tensor([layer.idx for group in groups.values() for layer in group], device=index[0].device)
         stacked = torch.cat([i.to(index[0].device) for i in index])  # a split model: the index lives with layer 0
         index = [torch.empty_like(stacked).index_copy_(0, at, stacked)]
-    cache.index.add(b, index[0])
+    return index[0]
 
 
-def finalize_group(cache: "ThoughtCache", layers: list, b: int, t: int, first: int,
-                   sliding: bool) -> torch.Tensor | None:
+def finalize_group(config: ThoughtConfig, layers: list[ThoughtLayer], row: Row, b: int, t: int, first: int,
+                   sliding: bool, seen: int) -> torch.Tensor | None:
     """`finalize` for `layers`, which hold thought t of row b from position `first` on; returns their index keys
     (L, Hkv, d) when the cache zooms in."""
-    config, row, seen = cache.config, cache.rows[b], cache.seen
     end, span, m = row.thoughts[t][1], row.spans[t], seen - first
     n = max(end - first, 0)
     novel = span is None and config.summary_pick == "novel"  # compared with the row's real tokens before the thought

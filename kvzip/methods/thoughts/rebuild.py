@@ -2,43 +2,44 @@
 where each comes from (the layer's current slots or a newly zoomed thought's detail), and the writes in place.
 
 `ThoughtCache.before_forward` calls `rebuild_rows` for the rows that moved, before the forward that brings the new
-tokens. Layers of one kind of attention are planned together (`plan_row`: masks over positions for all of them, one
-read back for the counts); only the gathers and writes (`write_rows`) are per layer. Rows stay right-aligned, empty
-slots in front (position -1), the tail last and sorted.
+tokens, with its layers and the rows' state as arguments. Layers of one kind of attention are planned together
+(`plan_row`: masks over positions for all of them, one read back for the counts); only the gathers and writes
+(`write_rows`) are per layer. Rows stay right-aligned, empty slots in front (position -1), the tail last and sorted.
 """
 
 from __future__ import annotations
 
-import typing
-
 import torch
 
 from kvzip.methods.thoughts.detail import load_layers
+from kvzip.methods.thoughts.layer import ThoughtLayer
+from kvzip.methods.thoughts.segment import Row
 from kvzip.rope import visible_from
 
-if typing.TYPE_CHECKING:
-    from kvzip.methods.thoughts.cache import ThoughtCache, ThoughtLayer
 
-
-def rebuild_rows(cache: "ThoughtCache", moved: list[int]) -> None:
-    """Rebuild the active context of the rows whose zoom set or tail moved, in every layer at once, before the
-    forward that brings the new tokens. Layers of one kind of attention are planned together (`plan_row`); only the
-    gathers and writes are per layer. Positions a sliding-window layer's queries can no longer see are left out."""
+def rebuild_rows(all_layers: list[ThoughtLayer], rows: list[Row], moved: list[int], seen: int, q_len: int,
+                 tail_start: list[int], zoomed: list[set[int]]) -> None:
+    """Rebuild the active context of the rows (of `rows`) whose zoom set or tail moved, in every layer at once,
+    before the forward that brings the last `q_len` of `seen` tokens. `tail_start` is each row's tail's first position
+    and `zoomed` the zoom set its buffers were last gathered for. Layers of one kind of attention are planned together
+    (`plan_row`); only the gathers and writes are per layer. Positions a sliding-window layer's queries can no longer
+    see are left out."""
     groups: dict = {}
-    for layer in cache.layers:
+    for layer in all_layers:
         if layer.is_initialized:  # (all are, after the first forward)
             groups.setdefault((layer.sliding, layer.device), []).append(layer)  # a split model: per device
     for (sliding, _), layers in groups.items():
-        cut = visible_from(cache.seen - cache.q_len, sliding)
+        cut = visible_from(seen - q_len, sliding)
         if cut:
             for layer in layers:
                 layer.forget(layer.positions < cut)
-        plans = {b: plan_row(cache, layers, b, cut) for b in moved}
+        plans = {b: plan_row(layers, rows[b], b, cut, seen, tail_start[b], zoomed[b]) for b in moved}
         for i, layer in enumerate(layers):
             write_rows(layer, {b: plan[i] for b, plan in plans.items()})
 
 
-def plan_row(cache: "ThoughtCache", layers: list, b: int, cut: int) -> list[tuple]:
+def plan_row(layers: list[ThoughtLayer], row: Row, b: int, cut: int, seen: int, tail_start: int,
+             zoomed: set[int]) -> list[tuple]:
     """Row b's active context in each of `layers`: the kept prompt, the tail, the layer's summaries and the zoomed
     thoughts, none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and V (Hkv, m, d) and where they
     go, or None), sources indexing the layer's current row followed by the loaded tokens. Order: on a full-attention
@@ -48,10 +49,10 @@ def plan_row(cache: "ThoughtCache", layers: list, b: int, cut: int) -> list[tupl
     whole in the buffer still; only newly zoomed ones are loaded, and of those only what a layer does not hold (its
     own summary tokens it does). All of it is planned as masks over positions (L, seen + 1; the last column takes
     what pads a shorter layer), one read back for the counts."""
-    row, seen, pad = cache.rows[b], cache.seen, torch.nn.utils.rnn.pad_sequence
+    pad = torch.nn.utils.rnn.pad_sequence
     device, count = layers[0].device, len(layers)
     base = torch.zeros(seen + 1, dtype=torch.bool, device=device)
-    for s, e in row.keep + [(cache.tail_start[b], seen)] + [row.thoughts[t] for t in row.zoom]:
+    for s, e in row.keep + [(tail_start, seen)] + [row.thoughts[t] for t in row.zoom]:
         base[s:e] = True
     summaries = torch.zeros(count, seen + 1, dtype=torch.bool, device=device).scatter_(
         1, pad([layer.summary_all[b] for layer in layers], batch_first=True, padding_value=seen), True)
@@ -62,7 +63,7 @@ def plan_row(cache: "ThoughtCache", layers: list, b: int, cut: int) -> list[tupl
     if layers[0].sliding is None and row.zoom:
         aside = torch.zeros(seen + 1, dtype=torch.bool, device=device)
         for t in row.zoom:
-            aside[row.thoughts[t][0] : min(row.thoughts[t][1], cache.tail_start[b])] = True
+            aside[row.thoughts[t][0] : min(row.thoughts[t][1], tail_start)] = True
         order = aside & ~summaries
     held_pos = pad([layer.positions[b] for layer in layers], batch_first=True, padding_value=-1)  # (L, W)
     at = torch.where(held_pos >= 0, held_pos, seen)
@@ -70,7 +71,7 @@ def plan_row(cache: "ThoughtCache", layers: list, b: int, cut: int) -> list[tupl
     slot = torch.zeros_like(wanted, dtype=torch.long).scatter_(
         1, at, torch.arange(at.shape[1], device=device).expand_as(at))  # position -> its slot in the row
     keep = wanted & held
-    new = [t for t in row.zoom if t not in cache.zoomed[b]]
+    new = [t for t in row.zoom if t not in zoomed]
     if new:
         fresh = torch.zeros(seen + 1, dtype=torch.bool, device=device)
         loaded_at = torch.zeros(seen + 1, dtype=torch.long, device=device)  # position -> index among the loaded
@@ -112,7 +113,7 @@ def plan_row(cache: "ThoughtCache", layers: list, b: int, cut: int) -> list[tupl
     return list(zip(pos.split(counts), src.split(counts), loaded))
 
 
-def write_rows(layer: "ThoughtLayer", plans: dict) -> None:
+def write_rows(layer: ThoughtLayer, plans: dict) -> None:
     """Rows rebuilt from their plans (`plan_row`: positions, sources, loaded K/V): each
     planned row's slot list is gathered from its current slots, the loaded tokens written into free slots of the
     layer's pool (kvzip.methods.thoughts.pool), and the list written right-aligned, empty slots in front (-1); no
