@@ -196,7 +196,7 @@ class DenseLayer(KVLayer):
         return view
 
     def keep(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        """Attribute `name` reduced in place to its tokens `index` (B, K) or (B, H, K), in that order (`Buffer.keep`)."""
+        """Attribute `name` reduced in place to its tokens `index` (B, K) or (B, H, K), in order (`Buffer.keep`)."""
         view = self._buffer(name).keep(index)
         self._set(name, view)
         return view

@@ -18,6 +18,8 @@ are written. After it a sliding-window layer drops what its next query cannot se
 
 from __future__ import annotations
 
+import typing
+
 import torch
 
 from kvzip.attention import dense_attention
@@ -28,7 +30,7 @@ from kvzip.rope import visible_from
 class EvictLayer(DenseLayer):
     """A dense layer whose tokens a score evicts. Subclasses implement `keep_index`."""
 
-    EVICTED: tuple[str, ...] = ("keys", "values", "positions")  # the per-token tensors an eviction compacts
+    EVICTED: typing.ClassVar[tuple[str, ...]] = ("keys", "values", "positions")  # what an eviction compacts
 
     def __init__(self, sliding: int | None = None):
         super().__init__(sliding)

@@ -4,8 +4,9 @@ attention so far plus a recent window; evict the rest.
 Every forward computes attention explicitly to add each stored token's received attention (summed over query heads
 and the new queries) to its running score; the prefill scores the prompt with its own causal attention. After each
 forward (the eviction skeleton, kvzip/methods/evict.py) a row keeps its `window` newest tokens and the `heavy`
-highest-scoring older ones; a decode step's one evicted token is overwritten by the row's first column (`fill_holes`). One token set per layer,
-shared by its KV heads (the paper selects per head; a shared set keeps the batch a dense (B, H, S, d) tensor).
+highest-scoring older ones; a decode step's one evicted token is overwritten by the row's first column (`fill_holes`).
+One token set per layer, shared by its KV heads (the paper selects per head; a shared set keeps the batch a dense
+(B, H, S, d) tensor).
 On a sliding-window layer the heavy hitters are chosen among the tokens its queries can still see, and the rest go
 (kvzip/methods/evict.py).
 """
