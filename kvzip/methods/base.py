@@ -195,11 +195,12 @@ class DenseLayer(KVLayer):
         self._set(name, view)
         return view
 
-    def keep(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        """Attribute `name` reduced in place to its tokens `index` (B, K) or (B, H, K), in order (`Buffer.keep`)."""
-        view = self._buffer(name).keep(index)
-        self._set(name, view)
-        return view
+    def keep(self, names: tuple[str, ...], index: torch.Tensor) -> None:
+        """Attributes `names`, which hold the same tokens, each reduced in place to its tokens `index` (B, K) or
+        (B, H, K), in that order (`Buffer.keep`, the slots to write found once for all)."""
+        moves = Buffer.moves(index, self._buffer(names[0]).length)
+        for name in names:
+            self._set(name, self._buffer(name).keep(index, moves))
 
     def drop(self, name: str, count: int) -> torch.Tensor:
         """Attribute `name` without its first `count` tokens, in the same storage (`Buffer.drop`)."""

@@ -64,14 +64,22 @@ class Buffer:
         self.length -= count
         return self.view()
 
-    def keep(self, index: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def moves(index: torch.Tensor, length: int) -> tuple:
+        """What `keep(index)` writes in a buffer of `length` tokens: the rows (and heads) and target slots whose token
+        changes, and the slots their tokens come from. Finding them reads a count back to the host, which is why
+        eviction runs after the forward; tensors that keep the same tokens share one."""
+        k = index.shape[-1]
+        at = (index != torch.arange(length - k, length, device=index.device)).nonzero(as_tuple=True)
+        return at[:-1], at[-1] + length - k, index[at]
+
+    def keep(self, index: torch.Tensor, moves: tuple | None = None) -> torch.Tensor:
         """Keep the stored tokens `index` (B, K) (the same tokens in every head of a row) or (B, H, K) (per head), in
         that order, compacted in place: they become the last K slots of the view, which then starts S - K later. Only
-        the slots whose token changes are written, from copies read first (sources and targets may overlap); finding
-        them reads a count back to the host, which is why eviction runs after the forward."""
-        s, k = self.length, index.shape[-1]
+        the slots whose token changes are written (`moves`), from copies read first: sources and targets may
+        overlap."""
+        rows, target, source = self.moves(index, self.length) if moves is None else moves
+        lead = rows + (slice(None),) * (self.axis - len(rows))
         view = self.view()
-        at = (index != torch.arange(s - k, s, device=index.device)).nonzero(as_tuple=True)  # (row, [head,] slot)
-        lead = at[:-1] + (slice(None),) * (self.axis - len(at) + 1)
-        view[lead + (at[-1] + s - k,)] = view[lead + (index[at],)]
-        return self.drop(s - k)
+        view[lead + (target,)] = view[lead + (source,)]
+        return self.drop(self.length - index.shape[-1])

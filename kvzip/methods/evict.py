@@ -53,8 +53,7 @@ class EvictLayer(DenseLayer):
         if index is None:
             return
         self.evicted += self.keys.shape[2] - index.shape[-1]
-        for name in self.EVICTED:
-            self.keep(name, index)
+        self.keep(self.EVICTED, index)
 
     def slide(self) -> int:
         """On a sliding-window layer, drop the stored tokens the next query cannot see: each row's oldest (rows stay
