@@ -142,7 +142,7 @@ class DenseLayer(KVLayer):
     along the token axis, written by index. `extend` appends, `prepend` puts slots in front, `keep` compacts what an
     eviction keeps in place and `drop` lets the oldest go; each sets the attribute to the buffer's view. A subclass
     may still assign an attribute anything (a gather, a rebuilt row): the buffer sees that the attribute is no longer
-    its view and the next `extend` or `prepend` adopts the new tensor, allocating room once. `memory()` counts the
+    its view, and the next call on that name adopts the new tensor (an append then allocates room once). `memory()` counts the
     stored tokens, not the spare slots (`SPARE` or 1/16 more at allocation), as it does not count DynamicCache's
     transient copy in its `cat`."""
 
