@@ -22,7 +22,7 @@ def prefill(layer: RKVLayer, keys, queries, scaling=1.0):
     layer.update(keys, keys)
     with torch.inference_mode():
         layer.attend(None, queries, keys, keys, None, scaling)
-        layer.compress()
+        layer.evict()
     return layer.positions
 
 

@@ -343,18 +343,18 @@ def test_window_keeps_each_rows_sinks_and_last_tokens_as_stored(tiny, tokenizer)
 
 
 def test_h2o_drops_a_decode_steps_token_in_place_as_a_gather_would(tiny, tokenizer):
-    """h2o's decode step copies a row's first column onto the one token it evicts instead of gathering every kept
-    token: per row the same positions, with the same keys, values and scores, as the gather it replaces, step by step
-    in a left-padded batch (the order of the heavy hitters may differ; the recent window stays last, in order)."""
-    from kvzip.attention import gather_tokens
+    """h2o's decode step copies a row's first column onto the one token it evicts (`fill_holes`) instead of keeping
+    every kept token in stored order: per row the same positions, with the same keys, values and scores, as the
+    stored-order eviction it replaces, step by step in a left-padded batch (the order of the heavy hitters may differ;
+    the recent window stays last, in order)."""
 
-    def gather_instead(layer):
-        def drop(heavy, candidates):
-            recent = torch.arange(candidates, layer.keys.shape[2]).expand(layer.batch, -1)
-            index = torch.cat([heavy.sort(-1).values, recent], 1)
-            layer.keys, layer.values = gather_tokens(layer.keys, index), gather_tokens(layer.values, index)
-            layer.positions, layer.score = layer.positions.gather(1, index), layer.score.gather(1, index)
-        return drop
+    def in_stored_order(layer):
+        score = layer.keep_index
+
+        def keep_index(state):
+            index = score(state)
+            return None if index is None else index.sort(-1).values
+        return keep_index
 
     def by_position(layer, b):  # row b's columns by position, then by key (left padding shares position 0)
         first = layer.keys[b, 0, :, 0].argsort(stable=True)
@@ -364,7 +364,7 @@ def test_h2o_drops_a_decode_steps_token_in_place_as_a_gather_would(tiny, tokeniz
     streams = [engine.Stream(tiny, tokenizer, get_method("h2o", {"heavy": "4", "window": "3"}).make_cache(tiny))
                for _ in range(2)]
     for layer in streams[1].cache.layers:
-        layer._drop_one = gather_instead(layer)
+        layer.keep_index = in_stored_order(layer)
     with torch.inference_mode():
         for stream in streams:
             stream.prefill(prompts)

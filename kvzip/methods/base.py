@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvzip.errors import UserError
+from kvzip.methods.buffer import Buffer
 from kvzip.methods.fields import check_choice, check_positive, convert_option, model_layout  # noqa: F401  (re-exported)
 from kvzip.rope import full_tokens
 
@@ -135,13 +136,13 @@ class DenseLayer(KVLayer):
     tokens appended by `update`. What it evicts, codes or moves off the device is the subclass's; `dense_dtype`
     says what the dense tokens are kept in (the model's dtype unless a subclass stores them smaller).
 
-    Appending writes into spare room after the stored tokens (`extend`): a `torch.cat` of the whole cache at every
-    step costs a fresh allocation and a copy of everything kept, ~5 ms per layer and tensor at 4k tokens of batch 8
-    on CPU (more than the attention that reads it). `keys`, `values` and `positions` are views of S slots of that
-    room; a subclass may still assign them anything: dropping the oldest slots (a slice) keeps the room, anything
-    else (a gather) makes the next append allocate new room once. `memory()` counts the stored tokens, not the
-    spare slots (`SPARE` or 1/16 more at allocation; `prepend` keeps as much in front too), as it does not count
-    DynamicCache's transient copy in its `cat`."""
+    Each per-token tensor lives in a `Buffer` of its own (kvzip.methods.buffer): preallocated storage with spare room
+    along the token axis, written by index. `extend` appends, `prepend` puts slots in front, `keep` compacts what an
+    eviction keeps in place and `drop` lets the oldest go; each sets the attribute to the buffer's view. A subclass
+    may still assign an attribute anything (a gather, a rebuilt row): the buffer sees that the attribute is no longer
+    its view, and the next call on that name adopts the new tensor (an append then allocates room once). `memory()` counts the
+    stored tokens, not the spare slots (`SPARE` or 1/16 more at allocation), as it does not count DynamicCache's
+    transient copy in its `cat`."""
 
     SPARE = 16  # slots of spare room at least (or 1/16 of those stored), allocated beyond the stored tokens
     # the per-row tensors (batch first) `reorder_cache` moves; a subclass adds what else it keeps per row, or refuses
@@ -157,8 +158,7 @@ class DenseLayer(KVLayer):
         self.keys = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
         self.values = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
         self.positions = torch.zeros(b, 0, dtype=torch.long, device=self.device)
-        self.room: dict[str, torch.Tensor] = {}  # name -> the allocation its view starts
-        self.appended: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (the view extend set, its start in room)
+        self.buffers: dict[str, Buffer] = {}  # name -> the buffer its attribute is a view of
 
     @staticmethod
     def _token_axis(x: torch.Tensor) -> int:
@@ -173,64 +173,37 @@ class DenseLayer(KVLayer):
         holder, _, attr = name.rpartition(".")
         setattr(operator.attrgetter(holder)(self) if holder else self, attr, value)
 
-    def _backing(self, name: str) -> tuple[torch.Tensor | None, int]:
-        """The room behind attribute `name` and where along the token axis the attribute starts in it, when the
-        attribute is a run of whole token slots of that room (a leading view, or one a slice dropped the front of);
-        else (None, 0)."""
-        cur, room = self._get(name), self.room.get(name)
-        if room is None or cur.untyped_storage().data_ptr() != room.untyped_storage().data_ptr() \
-                or cur.stride() != room.stride():
-            return None, 0
-        dim = self._token_axis(cur)
-        start, rest = divmod(cur.data_ptr() - room.data_ptr(), room.stride(dim) * room.element_size())
-        same = all(a == b for i, (a, b) in enumerate(zip(room.shape, cur.shape)) if i != dim)
-        if rest or start < 0 or not same or start + cur.shape[dim] > room.shape[dim]:
-            return None, 0
-        return room, start
+    def _buffer(self, name: str) -> Buffer:
+        """The buffer behind attribute `name`: its own while the attribute is still the view it handed out, else a
+        new one that adopts the attribute as it is."""
+        cur, buffer = self._get(name), self.buffers.get(name)
+        if buffer is None or buffer.last is not cur:
+            buffer = self.buffers[name] = Buffer(cur, self._token_axis(cur), self.SPARE)
+        return buffer
 
     def extend(self, name: str, new: torch.Tensor) -> torch.Tensor:
-        """Attribute `name` with `new` appended along the token axis, written into its room's spare slots; when
-        none are left, new room is allocated for the stored tokens, the new ones and `SPARE` or 1/16 more."""
-        cur = self._get(name)
-        dim = self._token_axis(cur)
-        n, q = cur.shape[dim], new.shape[dim]
-        last = self.appended.get(name)
-        if last is not None and last[0] is cur:  # untouched since the last append (the common case): no pointer checks
-            room, start = self.room[name], last[1]
-        else:
-            room, start = self._backing(name)
-        if room is None or start + n + q > room.shape[dim]:
-            shape = list(cur.shape)
-            shape[dim] = n + q + max(self.SPARE, n // 16)
-            room, start = cur.new_empty(shape), 0
-            room.narrow(dim, 0, n).copy_(cur)
-            self.room[name] = room
-        room.narrow(dim, start + n, q).copy_(new)
-        view = room.narrow(dim, start, n + q)
+        """Attribute `name` with `new` appended along the token axis (`Buffer.append`)."""
+        view = self._buffer(name).append(new)
         self._set(name, view)
-        self.appended[name] = (view, start)
         return view
 
     def prepend(self, name: str, count: int, fill) -> torch.Tensor:
-        """Attribute `name` with `count` slots set to `fill` put in front, written into spare room before it when
-        there is some; else new room is allocated with `SPARE` or 1/16 spare on both sides (a buffer that widens on
-        the left, as zoomr's does when a rebuilt row outgrows it, then stays in place for the appends that follow)."""
-        cur = self._get(name)
-        dim = self._token_axis(cur)
-        n = cur.shape[dim]
-        last = self.appended.get(name)
-        room, start = (self.room[name], last[1]) if last is not None and last[0] is cur else self._backing(name)
-        if room is None or start < count:
-            spare = max(self.SPARE, n // 16)
-            shape = list(cur.shape)
-            shape[dim] = count + spare + n + spare
-            room, start = cur.new_empty(shape), count + spare
-            room.narrow(dim, start, n).copy_(cur)
-            self.room[name] = room
-        view = room.narrow(dim, start - count, n + count)
-        view.narrow(dim, 0, count).fill_(fill)
+        """Attribute `name` with `count` slots set to `fill` put in front (`Buffer.prepend`)."""
+        view = self._buffer(name).prepend(count, fill)
         self._set(name, view)
-        self.appended[name] = (view, start - count)
+        return view
+
+    def keep(self, names: tuple[str, ...], index: torch.Tensor) -> None:
+        """Attributes `names`, which hold the same tokens, each reduced in place to its tokens `index` (B, K) or
+        (B, H, K), in that order (`Buffer.keep`, the slots to write found once for all)."""
+        moves = Buffer.moves(index, self._buffer(names[0]).length)
+        for name in names:
+            self._set(name, self._buffer(name).keep(index, moves))
+
+    def drop(self, name: str, count: int) -> torch.Tensor:
+        """Attribute `name` without its first `count` tokens, in the same storage (`Buffer.drop`)."""
+        view = self._buffer(name).drop(count)
+        self._set(name, view)
         return view
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

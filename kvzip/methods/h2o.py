@@ -3,10 +3,12 @@ attention so far plus a recent window; evict the rest.
 
 Every forward computes attention explicitly to add each stored token's received attention (summed over query heads
 and the new queries) to its running score; the prefill scores the prompt with its own causal attention. After each
-forward a row keeps its `window` newest tokens and the `heavy` highest-scoring older ones. One token set per layer,
-shared by its KV heads (the paper selects per head; a shared set keeps the batch a dense (B, H, S, d) tensor).
+forward (the eviction skeleton, kvzip/methods/evict.py) a row keeps its `window` newest tokens and the `heavy`
+highest-scoring older ones; a decode step's one evicted token is overwritten by the row's first column (`fill_holes`).
+One token set per layer, shared by its KV heads (the paper selects per head; a shared set keeps the batch a dense
+(B, H, S, d) tensor).
 On a sliding-window layer the heavy hitters are chosen among the tokens its queries can still see, and the rest go
-(kvzip/methods/window.py).
+(kvzip/methods/evict.py).
 """
 
 from __future__ import annotations
@@ -15,18 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzip.attention import attention_with_received, causal_tail, gather_mask, gather_tokens
+from kvzip.attention import attention_with_received, causal_tail, gather_mask
 from kvzip.methods.base import KVCache, Method, check_positive, tensor_bytes
-from kvzip.methods.window import WindowCache, WindowLayer, top_and_recent
+from kvzip.methods.evict import EvictCache, EvictLayer, fill_holes, top_and_recent
 from kvzip.rope import attention_windows, visible_from
 
 
-class H2OLayer(WindowLayer):
-    ROW_TENSORS = WindowLayer.ROW_TENSORS + ("score",)
+class H2OLayer(EvictLayer):
+    ROW_TENSORS = EvictLayer.ROW_TENSORS + ("score",)
+    EVICTED = EvictLayer.EVICTED + ("score",)
 
     def __init__(self, heavy: int, window: int, sliding: int | None = None):
-        super().__init__(sinks=0, window=window, sliding=sliding)
-        self.heavy = heavy
+        super().__init__(sliding)
+        self.heavy, self.window = heavy, window
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
@@ -45,44 +48,28 @@ class H2OLayer(WindowLayer):
             m = causal_tail(q_len, s, query.device)
         out, received = attention_with_received(query, self.keys, self.values, m, scaling)  # (B, q, Hq, d), (B, S)
         self.score += received
-        self._evict(mask)
-        drop = self._slide()
-        self.score = self.score[:, drop:]
         return out
 
-    def _evict(self, mask):
+    def keep_index(self, state):
+        """The `heavy` best-scored tokens but the newest `window`, then those. Padding and what a sliding-window
+        layer's next query cannot see are never heavy hitters. A decode step's one evicted token is overwritten by the
+        row's first column, whose order attention does not need (a sliding-window layer's slide does: it keeps
+        stored order)."""
         stored = self.keys.shape[2]
         keep = self.heavy + self.window
         if stored <= keep:
-            return
-        old = self.score[:, : stored - self.window].clone()  # (B, S - window) candidates for heavy hitters
+            return None
+        old = self.score[:, : stored - self.window]  # (B, S - window) candidates for heavy hitters
+        candidates = self.positions[:, : stored - self.window]
         if self.sliding is not None:  # tokens out of the layer's window are never heavy hitters
-            old = old.masked_fill(self.positions[:, : stored - self.window] < visible_from(self.seen, self.sliding),
-                                  float("-inf"))
-        if mask is not None:  # padding never counts as a heavy hitter
-            real = gather_mask(mask[:, :, -1:], self.positions[:, : stored - self.window])[:, 0, 0]
+            old = old.masked_fill(candidates < visible_from(self.seen, self.sliding), float("-inf"))
+        if state is not None and state.attention_mask is not None:  # padding never counts as a heavy hitter
+            real = state.attention_mask.to(candidates.device).gather(1, candidates).bool()
             old = old.masked_fill(~real, float("-inf"))
         index = top_and_recent(old, self.heavy, self.window)  # (B, keep)
-        if stored - keep == 1 and self.sliding is None:  # a decode step: one token goes per row
-            self._drop_one(index[:, : self.heavy], stored - self.window)
-        else:
-            self.keys, self.values = gather_tokens(self.keys, index), gather_tokens(self.values, index)
-            self.positions, self.score = self.positions.gather(1, index), self.score.gather(1, index)
-        self.evicted += stored - keep
-
-    def _drop_one(self, heavy: torch.Tensor, candidates: int) -> None:
-        """Drop each row's one candidate that `heavy` (B, heavy) leaves out: the row's first column is copied onto it
-        and the stored tensors start one column later (the same room, nothing allocated). The heavy hitters' order no
-        longer follows their positions, which attention does not need (a sliding-window layer's slide does: it takes
-        the gather path)."""
-        kept = torch.zeros(self.batch, candidates, dtype=torch.bool, device=heavy.device).scatter_(1, heavy, True)
-        hole = (~kept).int().argmax(1)  # (B,) the column that goes
-        for name in ("keys", "values", "positions", "score"):
-            x = getattr(self, name)
-            dim = self._token_axis(x)
-            at = hole.view(-1, *[1] * (x.dim() - 1)).expand(*x.shape[:dim], 1, *x.shape[dim + 1 :])
-            x.scatter_(dim, at, x.narrow(dim, 0, 1).clone())
-            setattr(self, name, x.narrow(dim, 1, x.shape[dim] - 1))
+        if stored - keep == 1 and self.sliding is None:
+            index = fill_holes(index, stored)
+        return index
 
     def memory(self) -> dict[str, int]:
         return {"device": tensor_bytes(self.keys, self.values, self.score)}
@@ -116,4 +103,4 @@ class H2O(Method):
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         windows = attention_windows(model, self.name)
-        return WindowCache([H2OLayer(self.heavy, self.window, w) for w in windows], self)
+        return EvictCache([H2OLayer(self.heavy, self.window, w) for w in windows], self)

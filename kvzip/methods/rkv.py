@@ -8,11 +8,10 @@ averaged over those queries and the query heads of the KV head, max-pooled over 
 how closely a later token's key repeats its key (the largest cosine similarity with the keys after it, as a softmax
 over the candidates so that both terms are distributions). The score is mix * importance - (1 - mix) * redundancy; the
 best `budget - window` stay with the window. Each head keeps its own tokens, the same count, so the batch stays a
-dense (B, H, S, d) tensor with positions (B, H, S). A layer's forward only attends and keeps its query; the cache
-compresses every layer in `after_forward`, after every prompt (the prompt is evictable like any token: one budget for
-the whole cache) and after every `buffer` decoded tokens, counted from the prompt, so that a row compresses at the same
-steps alone or in a left-padded batch. Padding and what a sliding-window layer's next query cannot see are never
-candidates. Defaults and why: docs/rkv.md.
+dense (B, H, S, d) tensor with positions (B, H, S). A layer's forward only attends and keeps its queries; the eviction
+skeleton (kvzip/methods/evict.py) compresses every layer after every prompt (the prompt is evictable like any token:
+one budget for the whole cache) and after every `buffer` decoded tokens. Padding and what a sliding-window layer's
+next query cannot see are never candidates. Defaults and why: docs/rkv.md.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 
 from kvzip.attention import causal_tail, dense_attention, leading_padding
 from kvzip.methods.base import KVCache, Method, check_positive, tensor_bytes
-from kvzip.methods.window import WindowCache, WindowLayer, top_and_recent
+from kvzip.methods.evict import EvictCache, EvictLayer, top_and_recent
 from kvzip.rope import attention_windows, visible_from
 
 CHUNK = 1024  # candidates whose similarities are held at once: a 32k-token prompt's would take 4 GiB per head
@@ -70,11 +69,6 @@ def rkv_score(importance, redundancy, valid, mix: float, pool: int):
     return (mix * importance - (1 - mix) * redundancy).masked_fill(~valid, float("-inf"))
 
 
-def gather_heads(x, index):
-    """x (B, H, S, d), index (B, H, K) -> (B, H, K, d): each head's own K stored tokens."""
-    return x.gather(2, index[..., None].expand(*index.shape, x.shape[-1]))
-
-
 def per_head_attention(query, keys, values, allowed, scaling):
     """Attention when each KV head holds its own tokens: query (B, Hq, q, d); keys, values (B, H, S, d); allowed
     (B, H, q, S), (q, S) or None. Each KV head's query heads are stacked as query rows (as `grouped_attention`), so
@@ -88,12 +82,12 @@ def per_head_attention(query, keys, values, allowed, scaling):
     return out.view(b, hq, q, d).transpose(1, 2).contiguous()
 
 
-class RKVLayer(WindowLayer):
-    ROW_TENSORS = WindowLayer.ROW_TENSORS + ("first", "queries")
+class RKVLayer(EvictLayer):
+    ROW_TENSORS = EvictLayer.ROW_TENSORS + ("first", "queries")
 
     def __init__(self, budget: int, window: int, mix: float, pool: int, sliding: int | None = None):
-        super().__init__(sinks=0, window=window, sliding=sliding)
-        self.budget, self.mix, self.pool = budget, mix, pool
+        super().__init__(sliding)
+        self.budget, self.window, self.mix, self.pool = budget, window, mix, pool
         self.reset()
 
     def reset(self) -> None:
@@ -124,8 +118,9 @@ class RKVLayer(WindowLayer):
         else:  # every head holds the same tokens: the shared path, SDPA's causal kernel for a prompt
             out = dense_attention(query, self.keys, self.values, mask, scaling, positions=self.positions[:, 0])
         self.scaling = scaling
-        self.extend("queries", query[:, :, -self.window:])
-        self.queries = self.queries[:, :, -self.window:]
+        kept = self.extend("queries", query[:, :, -self.window:]).shape[2]
+        if kept > self.window:
+            self.drop("queries", kept - self.window)
         return out
 
     def _allowed(self, mask, q: int):
@@ -137,18 +132,15 @@ class RKVLayer(WindowLayer):
             return mask.expand(b, h, q, mask.shape[-1]).gather(-1, index)
         return causal_tail(q, s, self.device) if q > 1 else None
 
-    def compress(self):
-        """Keep per KV head the `budget - window` best-scored tokens and the observation window, if it holds more."""
+    def keep_index(self, state):
+        """Per KV head the `budget - window` best-scored tokens and the observation window, if it holds more."""
         stored = self.keys.shape[2]
         recent = min(self.window, stored)
         old, top = stored - recent, self.budget - self.window
         if old <= top:
-            return
-        index = top_and_recent(self._score(old), top, recent)  # (B, H, top + recent)
-        self.keys, self.values = gather_heads(self.keys, index), gather_heads(self.values, index)
-        self.positions = self.positions.gather(2, index)
+            return None
         self.per_head = True
-        self.evicted += old - top
+        return top_and_recent(self._score(old), top, recent)  # (B, H, top + recent)
 
     def _score(self, old: int) -> torch.Tensor:
         """(B, H, old) the score of every stored token but the observation window."""
@@ -165,35 +157,6 @@ class RKVLayer(WindowLayer):
 
     def memory(self) -> dict[str, int]:
         return {"device": tensor_bytes(self.keys, self.values, self.queries)}
-
-
-class RKVCache(WindowCache):
-    """Counts the tokens decoded since the last compression; after a prompt's forward, or once `buffer` tokens have
-    been decoded, every layer compresses. Sliding-window layers drop what their next query cannot see after every
-    forward."""
-
-    def __init__(self, layers: list[RKVLayer], method: "RKV"):
-        super().__init__(layers, method)
-        self.since, self.fed, self.prompt = 0, 0, False
-
-    def before_forward(self, attention_mask, new_tokens: int) -> None:
-        super().before_forward(attention_mask, new_tokens)
-        # A prompt: more than one token, or a cache's first forward (a one-token prompt alone is one in a batch too).
-        self.fed, self.prompt = new_tokens, new_tokens > 1 or not self.layers[0].is_initialized
-
-    def after_forward(self) -> None:
-        self.since += self.fed
-        due = self.prompt or self.since >= self.method.buffer
-        for layer in self.layers:
-            if due:
-                layer.compress()
-            layer._slide()
-        if due:
-            self.since = 0
-
-    def reset(self) -> None:
-        super().reset()
-        self.since = 0
 
 
 @dataclass
@@ -237,4 +200,5 @@ class RKV(Method):
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
         windows = attention_windows(model, self.name)
-        return RKVCache([RKVLayer(self.budget, self.window, self.mix, self.pool, w) for w in windows], self)
+        layers = [RKVLayer(self.budget, self.window, self.mix, self.pool, w) for w in windows]
+        return EvictCache(layers, self, every=self.buffer)

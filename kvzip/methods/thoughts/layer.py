@@ -80,7 +80,7 @@ class ThoughtLayer(DenseLayer):
         self.pool = TokenPool(h, d, key_states.dtype, self.device)
         self.slots = torch.zeros(b, 0, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(b, 0, dtype=torch.long, device=self.device)
-        self.room, self.appended = {}, {}  # DenseLayer's spare room behind `slots` and `positions`
+        self.buffers = {}  # DenseLayer's buffers behind `slots` and `positions`
         self.lengths = [0] * self.batch  # per row, its slots in use: the last ones of the buffer
         self.summary_pos = [[] for _ in range(self.batch)]  # per row, per thought: (r,) positions kept on device
         self.summary_all = [self.positions.new_zeros(0) for _ in range(self.batch)]  # per row, all of them at once
