@@ -111,7 +111,8 @@ def store_codes(layer: "FadkvLayer", plan: Plan, codes: list[tuple]) -> None:
         for old in (layer.keys, layer.values):
             part = old[:, :, drop + lo : drop + hi]
             part.copy_(torch.where(move, gather_tokens(old, index[:, lo:hi]), part))
-    layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
+    layer.drop("keys", drop)  # the kept columns now end each row: the buffers start `drop` columns later
+    layer.drop("values", drop)
 
 
 def kept_columns(plan: Plan, width: int):

@@ -105,5 +105,5 @@ class FadkvLayer(DenseLayer):
             self.coded_pos = self.coded_pos.index_select(1, keep)
         drop = int((self.positions < cut).sum(1).min())  # holes (-1) and old tokens lead each row
         if drop:
-            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
-            self.positions = self.positions[:, drop:]
+            for name in ("keys", "values", "positions"):
+                self.drop(name, drop)
