@@ -77,8 +77,8 @@ def test_full_on_kvzip_attention_equals_full(tiny, tokenizer):
 
 def test_dense_layer_appends_into_spare_room_as_cat_would():
     """DenseLayer.update writes new tokens into room allocated beforehand: the stored tensors equal a running cat,
-    appends reuse one allocation until it is full, dropping the oldest slots keeps it, and a gather (a tensor of
-    its own) gets new room on the next append."""
+    appends reuse one allocation until it is full, dropping the oldest slots (`DenseLayer.drop`) keeps it, and an
+    attribute replaced by a gather (a tensor of its own) is adopted into new room on the next append."""
     from kvzip.methods.base import DenseLayer
 
     layer = DenseLayer()
@@ -94,7 +94,8 @@ def test_dense_layer_appends_into_spare_room_as_cat_would():
         rooms.add(layer.keys.untyped_storage().data_ptr())
     assert len(rooms) == 3  # room for 21 tokens (5 + 16 spare), then 38, then 55: 44 stored
     room = layer.keys.untyped_storage().data_ptr()
-    layer.keys, layer.values, layer.positions = layer.keys[:, :, 3:], layer.values[:, :, 3:], layer.positions[:, 3:]
+    for name in ("keys", "values", "positions"):
+        layer.drop(name, 3)
     layer.update(torch.ones(2, 3, 1, 4), torch.ones(2, 3, 1, 4))
     assert layer.keys.untyped_storage().data_ptr() == room and layer.keys.shape[2] == 42
     assert torch.equal(layer.keys[:, :, :-1], ref_k[:, :, 3:]) and layer.positions[0, -1] == 44
