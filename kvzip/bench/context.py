@@ -37,17 +37,18 @@ class Context:
         return self._prose[offset : offset + n]
 
     def document(self, row: int, n: int) -> list[int]:
-        """The first n tokens of long held-out document `row` (kvzip.data.long_documents, longest first): a text
-        whose tokens depend on what was written thousands of tokens before, one document per row."""
+        """The first n tokens of long held-out text `row`: even rows are Wikipedia articles (kvzip.data.long_documents,
+        longest first), odd rows standard-library source files (kvzip.data.long_sources); both are texts whose tokens
+        depend on what was written thousands of tokens before, one text per row."""
         if row not in self._documents:
-            from kvzip.data import long_documents
+            from kvzip.data import long_documents, long_sources
 
-            docs = long_documents()
-            if row >= len(docs):
-                raise ValueError(f"{len(docs)} long documents, row {row} asked for")
-            self._documents[row] = self.tokenizer(docs[row], add_special_tokens=False)["input_ids"]
+            texts = long_sources() if row % 2 else long_documents()
+            if row // 2 >= len(texts):
+                raise ValueError(f"{len(texts)} long texts of row {row}'s kind, row {row} asked for one more")
+            self._documents[row] = self.tokenizer(texts[row // 2], add_special_tokens=False)["input_ids"]
         if len(self._documents[row]) < n:
-            raise ValueError(f"long document {row} has {len(self._documents[row])} tokens, {n} needed")
+            raise ValueError(f"long text {row} has {len(self._documents[row])} tokens, {n} needed")
         return self._documents[row][:n]
 
     def chat_prompt(self, text: str) -> list[int]:

@@ -1,10 +1,11 @@
 """The bench workloads, each run for one method setting against `full`'s figures from the same run.
 
 - `output` (the quality workload for every method): teacher forcing of a long *output*. After a short chat prompt,
-  a long held-out document (`kvzip.data.long_documents`: Wikipedia articles, whose names and facts recur thousands
-  of tokens after they are introduced; disjoint from dictionary calibration) is fed as the model's own answer, one token per row per step, through the same hooks as generation (`kvzip.evaluate.teacher_forced`):
-  perplexity, top-1 agreement and KL against `full` over every fed position, and KV bytes by tier at the end. Rows
-  are separate texts, batched. This is what both papers compress: a cache's cost grows with what the model writes.
+  a long held-out text is fed as the model's own answer, one token per row per step, through the same hooks as
+  generation (`kvzip.evaluate.teacher_forced`). Rows alternate Wikipedia articles and standard-library source
+  files (`Context.document`), texts whose names and facts recur thousands of tokens after they are introduced,
+  disjoint from dictionary calibration. Scored: perplexity, top-1 agreement and KL against `full` over every fed
+  position and over the key positions, and KV bytes by tier at the end. Rows are separate texts, batched. This is what both papers compress: a cache's cost grows with what the model writes.
 - `prompt`: the first document prefilled as a *prompt*, then its last positions fed one by one: prompt compression. Methods
   that keep the prompt in full by design (`Method.keeps_prompt`: zoomr, sumr) are skipped here with that reason.
 - `reasoning`: greedy generation on GSM8K evaluation problems through the engine: greedy agreement with `full`
@@ -33,7 +34,9 @@ from kvzip.bench.context import Context, budget_fields, headline, resolve, run_g
 from kvzip.bench.reasoning import reasoning
 from kvzip.bench.recall import recall, recall_units
 
-OUTPUT_PROMPT = "Write a long, detailed encyclopedia article on a subject of your choice, section by section."
+# The chat prompt before each row's output, by the row's kind of text (Context.document: articles, then code).
+OUTPUT_PROMPTS = ("Write a long, detailed encyclopedia article on a subject of your choice, section by section.",
+                  "Write a long, complete Python module of the standard library, with its docstrings.")
 
 
 def _forced(ctx: Context, label: str, key, method, dictionaries, prompts, forced) -> dict:
@@ -67,11 +70,11 @@ def _forced(ctx: Context, label: str, key, method, dictionaries, prompts, forced
 
 def output(ctx: Context, label: str, method, dictionaries) -> dict:
     cfg, runs = ctx.cfg, []
-    prompt = ctx.chat_prompt(OUTPUT_PROMPT)
+    prompts = [ctx.chat_prompt(OUTPUT_PROMPTS[row % 2]) for row in range(cfg.output_rows)]
     for length in cfg.output_tokens:
         forced = [ctx.document(row, length) for row in range(cfg.output_rows)]
-        record = _forced(ctx, label, ("output", length), method, dictionaries, [prompt] * cfg.output_rows, forced)
-        runs.append({"context": length, "prompt_tokens": len(prompt), **record})
+        record = _forced(ctx, label, ("output", length), method, dictionaries, prompts, forced)
+        runs.append({"context": length, "prompt_tokens": max(len(p) for p in prompts), **record})
     return headline(runs)
 
 
