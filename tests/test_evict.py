@@ -3,7 +3,7 @@
 Every registered method whose cache is an `EvictCache` (built with its `test_options`, tests/matrix.py) is run step by
 step in a left-padded batch: eviction runs after the model's forward, never inside it, keeps exactly the tokens its
 score names, in that order, in the same storage, and a decode step allocates no new room but every `SPARE` or so
-tokens. A new scorer is covered without editing this file.
+tokens. A new scorer is covered without editing this file. Then window's and h2o's own rules, step by step.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from kvzip import engine
+from kvzip.methods import get_method
 from kvzip.methods.buffer import Buffer
 from kvzip.methods.evict import EvictCache, fill_holes
 from tests.matrix import METHOD_NAMES, needs_dictionary, tiny_method
+from tests.test_zoomr import feed
 
 
 def gather(x: torch.Tensor, index: torch.Tensor, axis: int) -> torch.Tensor:
@@ -114,3 +116,79 @@ def test_a_replaced_attribute_is_adopted_anew(tiny):
     new = torch.randn(1, 2, 1, 4)
     keys, _ = layer.update(new, new)
     assert torch.equal(keys, torch.cat([k[:, :, 1:], new], 2)) and layer.positions.tolist() == [[1, 2, 3]]
+
+
+def test_h2o_keeps_heavy_hitters_and_window(tiny, tokenizer):
+    cache, _, _, _ = feed(tiny, tokenizer, get_method("h2o", {"heavy": "5", "window": "7"}), "prompt", "x" * 30)
+    layer = cache.layers[0]
+    assert layer.keys.shape[2] == 12 and layer.positions[0, -7:].tolist() == list(range(layer.seen - 7, layer.seen))
+
+
+def test_window_keeps_each_rows_sinks_and_last_tokens_as_stored(tiny, tokenizer):
+    """window in a left-padded batch, step by step: layer 0 holds exactly the columns the StreamingLLM rule keeps (each
+    row's `sinks` from its first real token, or the padding it still holds, then the last `window`), in that order;
+    layer 0's keys depend only on token and position, so full's layer 0 is the reference."""
+    sinks, window = 2, 5
+    prompts = [tokenizer("a")["input_ids"], tokenizer("a much longer prompt here")["input_ids"]]
+    streams = {name: engine.Stream(tiny, tokenizer, get_method(name, opts).make_cache(tiny))
+               for name, opts in (("full", {}), ("window", {"sinks": str(sinks), "window": str(window)}))}
+    width = max(len(p) for p in prompts)
+    pad = [width - len(p) for p in prompts]
+    cols = [list(range(width)) for _ in prompts]  # per row, the original columns the rule keeps, in order
+    tokens = torch.tensor([5, 9])
+    with torch.inference_mode():
+        for stream in streams.values():
+            stream.prefill(prompts)
+        for step in range(24):
+            for stream in streams.values():
+                stream.step(tokens + step, ["x", "x"])
+            for b in range(2):  # the rule, one row at a time
+                cols[b].append(width + step)
+                drop = len(cols[b]) - sinks - window
+                if drop > 0:
+                    start = min(pad[b], drop)
+                    cols[b] = cols[b][start : start + sinks] + cols[b][-window:]
+                    pad[b] -= start
+            layer, ref = streams["window"].cache.layers[0], streams["full"].cache.layers[0]
+            for b in range(2):
+                assert torch.equal(layer.keys[b], ref.keys[b][:, cols[b]])
+                assert torch.equal(layer.values[b], ref.values[b][:, cols[b]])
+
+
+def test_h2o_drops_a_decode_steps_token_in_place_as_a_gather_would(tiny, tokenizer):
+    """h2o's decode step copies a row's first column onto the one token it evicts (`fill_holes`) instead of keeping
+    every kept token in stored order: per row the same positions, with the same keys, values and scores, as the
+    stored-order eviction it replaces, step by step in a left-padded batch (the order of the heavy hitters may differ;
+    the recent window stays last, in order)."""
+
+    def in_stored_order(layer):
+        score = layer.keep_index
+
+        def keep_index(state):
+            index = score(state)
+            return None if index is None else index.sort(-1).values
+        return keep_index
+
+    def by_position(layer, b):  # row b's columns by position, then by key (left padding shares position 0)
+        first = layer.keys[b, 0, :, 0].argsort(stable=True)
+        return first[layer.positions[b, first].argsort(stable=True)]
+
+    prompts = [tokenizer("a")["input_ids"], tokenizer("a much longer prompt here")["input_ids"]]
+    streams = [engine.Stream(tiny, tokenizer, get_method("h2o", {"heavy": "4", "window": "3"}).make_cache(tiny))
+               for _ in range(2)]
+    for layer in streams[1].cache.layers:
+        layer.keep_index = in_stored_order(layer)
+    with torch.inference_mode():
+        for stream in streams:
+            stream.prefill(prompts)
+        for step in range(20):
+            for stream in streams:
+                stream.step(torch.tensor([5, 9]) + step, ["x", "x"])
+            fast, ref = (stream.cache.layers[0] for stream in streams)
+            assert torch.equal(fast.positions[:, -3:], ref.positions[:, -3:])
+            for b in range(2):
+                order = [by_position(layer, b) for layer in (fast, ref)]
+                assert torch.equal(fast.positions[b, order[0]], ref.positions[b, order[1]])
+                assert torch.equal(fast.keys[b][:, order[0]], ref.keys[b][:, order[1]])
+                assert torch.equal(fast.values[b][:, order[0]], ref.values[b][:, order[1]])
+                torch.testing.assert_close(fast.score[b, order[0]], ref.score[b, order[1]])

@@ -30,6 +30,19 @@ def test_kvzip_passes():
     assert got.stdout.startswith("ok: ") and "no import cycle" in got.stdout
 
 
+def test_scripts_and_tests_stay_under_the_line_limit_too():
+    """The package's rule holds for every Python file of the repository: the scripts and these tests are read too."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from check_structure import MAX_LINES
+    finally:
+        sys.path.pop(0)
+    root = SCRIPT.parent.parent
+    long = [f"{p.relative_to(root)}: {n}" for folder in ("scripts", "tests") for p in sorted((root / folder).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
 def test_a_clean_package_passes_with_lazy_cycles_and_cli_imports_inside_cli(tmp_path):
     root = package(tmp_path, {
         "a.py": "import pkg.b\n",
