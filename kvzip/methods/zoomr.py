@@ -84,12 +84,17 @@ class ZoomR(ThoughtOptions):
     vote_decay: float = 0.8
     zoom_margin: float = 0.25
     detail: str = "int8"
+    detail_sparsity: int = 0  # atoms per detail vector with detail=fadkv; 0: the sparsity the dictionary was trained for
 
     def __post_init__(self):
         super().__post_init__()
         check_choice("select_at", self.select_at, SELECT_AT)
         check_choice("detail", self.detail, DETAILS)
         check_positive(votes_per_head=self.votes_per_head, zoom_thoughts=self.zoom_thoughts)
+        if self.detail_sparsity < 0:
+            raise ValueError(f"detail_sparsity must be >= 0 (0: the dictionary's sparsity), got {self.detail_sparsity}")
+        if self.detail_sparsity and self.detail != "fadkv":
+            raise ValueError("detail_sparsity is the atoms per vector of detail=fadkv; set detail=fadkv with it")
         if not 0 <= self.vote_decay < 1:
             raise ValueError(f"vote_decay must be in [0, 1), got {self.vote_decay}")
         if not self.zoom_margin >= 0:
@@ -101,8 +106,13 @@ class ZoomR(ThoughtOptions):
 
     def plan_budget(self, budget, fixed):
         """The device tier by its tail, summaries and zoom count; every tier also by the detail format, the most
-        faithful that fits (kvzip/methods/thoughts/budget.py)."""
-        details = (self.detail,) if "detail" in fixed else ("int8", "int4", "fadkv")
+        faithful that fits, fadkv codes at fewer atoms a vector last (kvzip/methods/thoughts/budget.py)."""
+        start = self.detail_sparsity or thought_budget.DEFAULT_SPARSITY
+        coded = [("fadkv", start)] if "detail_sparsity" in fixed else [("fadkv", s) for s in range(start, 1, -1)]
+        if "detail" in fixed:
+            details = tuple(coded) if self.detail == "fadkv" else (self.detail,)
+        else:
+            details = ("int8", "int4", *coded)
         return thought_budget.plan(self, budget, fixed, self.zoom_thoughts, details)
 
     def make_cache(self, model, dictionaries=None) -> KVCache:
@@ -123,7 +133,9 @@ class ZoomR(ThoughtOptions):
             if trained != "post-rope":
                 raise UserError(f"method '{self.name}' with detail=fadkv codes post-rope keys; this dictionary was "
                                 f"trained on {trained} keys: use a dictionary trained on post-rope keys")
-            sparsity = int(dictionaries.meta.get("sparsity", 8))  # the sparsity the dictionary was trained for
+            sparsity = self.detail_sparsity or int(dictionaries.meta.get("sparsity", 8))  # 0: as it was trained
+            if sparsity > dictionaries.num_atoms:
+                raise UserError(f"detail_sparsity {sparsity} exceeds the dictionary's {dictionaries.num_atoms} atoms")
             detail = [CodedDetail(atoms, sparsity, kv_heads)  # each layer codes with atoms on its own device
                       for atoms in prepare_for_devices(dictionaries, layer_devices(model))]
         zoom = Zoom(self.votes_per_head, self.zoom_thoughts, self.select_at, self.vote_decay, self.zoom_margin)

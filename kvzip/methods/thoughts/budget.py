@@ -12,7 +12,9 @@ The parts shrink in this order as F falls: the tail down to 32 tokens, then the 
 thought), then zoomr's zoom count (down to 1), then the longest thought (`max_thought_tokens` 64, then 32: an open
 thought stays whole in the tail, so the longest sets the tail's peak), then the tail down to 16. A larger F grows the tail: more recent context
 helps every position. Where every tier counts (zoomr), the detail format is the most faithful one that leaves the
-device tier a feasible plan: int8, then int4, then fadkv codes (fadkv needs a dictionary).
+device tier a feasible plan: int8, then int4, then fadkv codes at the dictionary's sparsity and then at fewer atoms a
+vector down to 2 (`detail_sparsity`; fadkv needs a dictionary). A detail is read back only for the few zoomed
+thoughts, so its coding error touches few positions, while its bytes count for every finished thought.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from kvzip.budget import Budget, Plan
 
 THOUGHT_TOKENS = 64  # tokens a thought, estimated (module docstring)
+DEFAULT_SPARSITY = 8  # atoms a detail vector with detail=fadkv at the default dictionary's trained sparsity
 TAIL_FLOOR, TAIL_MIN = 32, 16
 
 
@@ -103,8 +106,9 @@ def detail_ratio(detail: str, budget: Budget, thought: int, sparsity: int = 8) -
     return per_vector / (d * e)
 
 
-def plan(options, budget: Budget, fixed, zoom: int, details: tuple[str, ...] = (), sparsity: int = 8) -> Plan:
-    """sumr (zoom 0, no details) or zoomr at `budget`: see the module docstring."""
+def plan(options, budget: Budget, fixed, zoom: int, details: tuple = ()) -> Plan:
+    """sumr (zoom 0, no details) or zoomr at `budget`: see the module docstring. `details` are the detail formats to
+    try in order, each a name or a (name, sparsity) pair for fadkv codes."""
     t = budget.tokens
     defaults = options.summary_tokens
     if budget.tier == "device" or not details:
@@ -114,12 +118,20 @@ def plan(options, budget: Budget, fixed, zoom: int, details: tuple[str, ...] = (
         return Plan(found, held(budget, options, found, zoom) / t)
     thought = thought_tokens(options)
     for detail in details:
-        host = detail_ratio(detail, budget, thought, sparsity) * max(t - budget.prompt_tokens, 0) / t
+        name, sparsity = detail if isinstance(detail, tuple) else (detail, DEFAULT_SPARSITY)
+        host = detail_ratio(name, budget, thought, sparsity) * max(t - budget.prompt_tokens, 0) / t
         found = solve(budget, (budget.fraction - host) * t, options, defaults, zoom, fixed)
         if found is not None:
-            return Plan({**found, "detail": detail}, held(budget, options, found, zoom) / t + host)
-    host = detail_ratio(details[-1], budget, thought, sparsity) * max(t - budget.prompt_tokens, 0) / t
+            return Plan({**found, **_detail_options(detail)}, held(budget, options, found, zoom) / t + host)
+    name, sparsity = details[-1] if isinstance(details[-1], tuple) else (details[-1], DEFAULT_SPARSITY)
+    host = detail_ratio(name, budget, thought, sparsity) * max(t - budget.prompt_tokens, 0) / t
     return _unreachable(options, budget, zoom, defaults, host, details[-1], fixed)
+
+
+def _detail_options(detail) -> dict:
+    if isinstance(detail, tuple):
+        return {"detail": detail[0], "detail_sparsity": detail[1]}
+    return {"detail": detail}
 
 
 def _unreachable(options, budget: Budget, zoom: int, summaries: int, host: float, detail: str | None = None,
@@ -127,11 +139,12 @@ def _unreachable(options, budget: Budget, zoom: int, summaries: int, host: float
     """The smallest options (a 16-token tail, one summary token a thought, one zoomed thought), with the note."""
     cap = caps(options, fixed)[-1]
     smallest = {"window": TAIL_MIN, "summary_tokens": 1, **({"zoom_thoughts": 1} if zoom else {}),
-                **({"detail": detail} if detail else {}),
+                **(_detail_options(detail) if detail else {}),
                 **({"max_thought_tokens": cap} if cap != options.max_thought_tokens else {})}
     floor = device_tokens(budget, TAIL_MIN, 1, min(zoom, 1), thought_tokens(options, cap), cap,
                           zoom > 0) / budget.tokens + host
-    how = f" with detail={detail}" if detail else ""
+    how = "".join(f" {k}={v}" for k, v in _detail_options(detail).items()) if detail else ""
+    how = f" with{how}" if how else ""
     return Plan({k: v for k, v in smallest.items() if k not in fixed}, floor,
                 f"holds at least {floor:.3f} of full's bytes{how} (the prompt, a {TAIL_MIN}-token tail, a summary "
                 "token a thought)")
