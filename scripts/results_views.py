@@ -229,10 +229,10 @@ def view_frontier(data: dict, attrs: dict) -> list[str]:
     by: dict[str, dict] = {}
     for r in records:
         if r.get("budget") is not None:
-            by.setdefault(r["method"], {})[r["budget"]] = r
+            by.setdefault(r["label"].rsplit("@", 1)[0], {})[r["budget"]] = r  # a setting: its label less "@F"
     rows, marks = [], []
-    for method, cells in by.items():
-        row = [method]
+    for setting, cells in by.items():
+        row = [setting]
         for f in budgets:
             r = cells.get(f)
             if r is None:

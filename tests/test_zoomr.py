@@ -315,6 +315,8 @@ def test_options_are_validated():
         get_method("sumr", {"min_thought_tokens": "10", "max_thought_tokens": "5"})
     with pytest.raises(UserError, match="vote_decay must be in"):
         get_method("zoomr", {"vote_decay": "1.5"})
+    with pytest.raises(UserError, match="detail_sparsity is the atoms per vector of detail=fadkv"):
+        get_method("zoomr", {"detail_sparsity": "2"})
     for gone in ("zoom_thoughts", "detail"):  # sumr never zooms in and keeps no detail
         with pytest.raises(UserError, match=f"has no option '{gone}'"):
             get_method("sumr", {gone: "2"})
@@ -327,13 +329,16 @@ def test_fadkv_detail_codes_the_host_tier(tiny, tokenizer, tiny_dictionaries):
     text = "".join(f"thought number {i} says hi.\n\n" for i in range(5))
     ids = [tokenizer("p")["input_ids"]], [tokenizer(text)["input_ids"][1:]]
     caches = {}
-    for detail in ("host", "fadkv"):
-        method = get_method("zoomr", {**SMALL, "detail": detail})
-        assert method.needs_dictionary == (detail == "fadkv")
-        caches[detail] = method.make_cache(tiny, tiny_dictionaries)
-        forced_decode(tiny, tokenizer, caches[detail], *ids)
+    for name, opts in (("host", {"detail": "host"}), ("fadkv", {"detail": "fadkv"}),
+                       ("fadkv-2", {"detail": "fadkv", "detail_sparsity": "2"})):
+        method = get_method("zoomr", {**SMALL, **opts})
+        assert method.needs_dictionary == (opts["detail"] == "fadkv")
+        caches[name] = method.make_cache(tiny, tiny_dictionaries)
+        forced_decode(tiny, tokenizer, caches[name], *ids)
     dense, coded = caches["host"], caches["fadkv"]
     assert 0 < coded.memory()["host"] < dense.memory()["host"] / 2
+    sparsity = int(tiny_dictionaries.meta.get("sparsity", 8))  # 4 B an atom: the host tier scales with the atoms
+    assert caches["fadkv-2"].memory()["host"] * sparsity == coded.memory()["host"] * 2
     k_dense, _ = dense.layers[0]._load(0, 2)
     k_coded, v_coded = coded.layers[0]._load(0, 2)  # layer 0: the same tokens give the same keys in both caches
     assert k_coded.shape == k_dense.shape and v_coded.dtype == k_dense.dtype

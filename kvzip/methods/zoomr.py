@@ -105,10 +105,11 @@ class ZoomR(ThoughtOptions):
         return self.detail == "fadkv"
 
     def plan_budget(self, budget, fixed):
-        """The device tier by its tail, summaries and zoom count; every tier also by the detail format, the most
-        faithful that fits, fadkv codes at fewer atoms a vector last (kvzip/methods/thoughts/budget.py)."""
-        start = self.detail_sparsity or thought_budget.DEFAULT_SPARSITY
-        coded = [("fadkv", start)] if "detail_sparsity" in fixed else [("fadkv", s) for s in range(start, 1, -1)]
+        """The device tier by its tail, summaries and zoom count; every tier also by the detail format: int8, then
+        int4, then fadkv codes of 2 atoms a vector, the smallest, which leave the device the most room
+        (kvzip/methods/thoughts/budget.py)."""
+        fewest = self.detail_sparsity if "detail_sparsity" in fixed else thought_budget.CODED_DETAIL_SPARSITY
+        coded = [("fadkv", fewest)]
         if "detail" in fixed:
             details = tuple(coded) if self.detail == "fadkv" else (self.detail,)
         else:

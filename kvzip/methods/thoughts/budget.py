@@ -12,9 +12,10 @@ The parts shrink in this order as F falls: the tail down to 32 tokens, then the 
 thought), then zoomr's zoom count (down to 1), then the longest thought (`max_thought_tokens` 64, then 32: an open
 thought stays whole in the tail, so the longest sets the tail's peak), then the tail down to 16. A larger F grows the tail: more recent context
 helps every position. Where every tier counts (zoomr), the detail format is the most faithful one that leaves the
-device tier a feasible plan: int8, then int4, then fadkv codes at the dictionary's sparsity and then at fewer atoms a
-vector down to 2 (`detail_sparsity`; fadkv needs a dictionary). A detail is read back only for the few zoomed
-thoughts, so its coding error touches few positions, while its bytes count for every finished thought.
+device tier a feasible plan: int8, then int4, then fadkv codes of `CODED_DETAIL_SPARSITY` atoms a vector (fadkv needs
+a dictionary). A detail is read back only for the few zoomed thoughts, so its coding error touches few positions,
+while its bytes count for every finished thought: at an all-tier 0.25 of a 2,048-token output (4 rows, bf16), 2 atoms
+and the device room they leave scored key top-1 0.387 and top-1 0.851, where 4 atoms scored 0.200 and 0.825.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvzip.budget import Budget, Plan
 
 THOUGHT_TOKENS = 64  # tokens a thought, estimated (module docstring)
 DEFAULT_SPARSITY = 8  # atoms a detail vector with detail=fadkv at the default dictionary's trained sparsity
+CODED_DETAIL_SPARSITY = 2  # the atoms a detail vector when a budget picks fadkv details (module docstring)
 TAIL_FLOOR, TAIL_MIN = 32, 16
 
 
