@@ -5,7 +5,8 @@
   generation (`kvzip.evaluate.teacher_forced`). Rows alternate Wikipedia articles and standard-library source
   files (`Context.document`), texts whose names and facts recur thousands of tokens after they are introduced,
   disjoint from dictionary calibration. Scored: perplexity, top-1 agreement and KL against `full` over every fed
-  position and over the key positions, and KV bytes by tier at the end. Rows are separate texts, batched. This is what both papers compress: a cache's cost grows with what the model writes.
+  position and over the key positions, and KV bytes by tier at the end. Rows are separate texts, batched. This is
+  what both papers compress: a cache's cost grows with what the model writes.
 - `prompt`: the first document prefilled as a *prompt*, then its last positions fed one by one: prompt compression. Methods
   that keep the prompt in full by design (`Method.keeps_prompt`: zoomr, sumr) are skipped here with that reason.
 - `reasoning`: greedy generation on GSM8K evaluation problems through the engine: greedy agreement with `full`

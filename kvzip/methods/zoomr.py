@@ -84,7 +84,7 @@ class ZoomR(ThoughtOptions):
     vote_decay: float = 0.8
     zoom_margin: float = 0.25
     detail: str = "int8"
-    detail_sparsity: int = 0  # atoms per detail vector with detail=fadkv; 0: the sparsity the dictionary was trained for
+    detail_sparsity: int = 0  # atoms a detail vector with detail=fadkv; 0: as the dictionary was trained
 
     def __post_init__(self):
         super().__post_init__()
@@ -109,11 +109,10 @@ class ZoomR(ThoughtOptions):
         int4, then fadkv codes of 2 atoms a vector, the smallest, which leave the device the most room
         (kvzip/methods/thoughts/budget.py)."""
         fewest = self.detail_sparsity if "detail_sparsity" in fixed else thought_budget.CODED_DETAIL_SPARSITY
-        coded = [("fadkv", fewest)]
         if "detail" in fixed:
-            details = tuple(coded) if self.detail == "fadkv" else (self.detail,)
+            details = (("fadkv", fewest) if self.detail == "fadkv" else (self.detail, 0),)
         else:
-            details = ("int8", "int4", *coded)
+            details = (("int8", 0), ("int4", 0), ("fadkv", fewest))
         return thought_budget.plan(self, budget, fixed, self.zoom_thoughts, details)
 
     def make_cache(self, model, dictionaries=None) -> KVCache:

@@ -23,7 +23,6 @@ from __future__ import annotations
 from kvzip.budget import Budget, Plan
 
 THOUGHT_TOKENS = 64  # tokens a thought, estimated (module docstring)
-DEFAULT_SPARSITY = 8  # atoms a detail vector with detail=fadkv at the default dictionary's trained sparsity
 CODED_DETAIL_SPARSITY = 2  # the atoms a detail vector when a budget picks fadkv details (module docstring)
 TAIL_FLOOR, TAIL_MIN = 32, 16
 
@@ -108,9 +107,9 @@ def detail_ratio(detail: str, budget: Budget, thought: int, sparsity: int = 8) -
     return per_vector / (d * e)
 
 
-def plan(options, budget: Budget, fixed, zoom: int, details: tuple = ()) -> Plan:
+def plan(options, budget: Budget, fixed, zoom: int, details: tuple[tuple[str, int], ...] = ()) -> Plan:
     """sumr (zoom 0, no details) or zoomr at `budget`: see the module docstring. `details` are the detail formats to
-    try in order, each a name or a (name, sparsity) pair for fadkv codes."""
+    try in order, each a (name, atoms a vector) pair; the atoms count for fadkv codes only (0 elsewhere)."""
     t = budget.tokens
     defaults = options.summary_tokens
     if budget.tier == "device" or not details:
@@ -120,23 +119,20 @@ def plan(options, budget: Budget, fixed, zoom: int, details: tuple = ()) -> Plan
         return Plan(found, held(budget, options, found, zoom) / t)
     thought = thought_tokens(options)
     for detail in details:
-        name, sparsity = detail if isinstance(detail, tuple) else (detail, DEFAULT_SPARSITY)
-        host = detail_ratio(name, budget, thought, sparsity) * max(t - budget.prompt_tokens, 0) / t
+        host = detail_ratio(detail[0], budget, thought, detail[1]) * max(t - budget.prompt_tokens, 0) / t
         found = solve(budget, (budget.fraction - host) * t, options, defaults, zoom, fixed)
         if found is not None:
             return Plan({**found, **_detail_options(detail)}, held(budget, options, found, zoom) / t + host)
-    name, sparsity = details[-1] if isinstance(details[-1], tuple) else (details[-1], DEFAULT_SPARSITY)
-    host = detail_ratio(name, budget, thought, sparsity) * max(t - budget.prompt_tokens, 0) / t
+    host = detail_ratio(details[-1][0], budget, thought, details[-1][1]) * max(t - budget.prompt_tokens, 0) / t
     return _unreachable(options, budget, zoom, defaults, host, details[-1], fixed)
 
 
-def _detail_options(detail) -> dict:
-    if isinstance(detail, tuple):
-        return {"detail": detail[0], "detail_sparsity": detail[1]}
-    return {"detail": detail}
+def _detail_options(detail: tuple[str, int]) -> dict:
+    name, sparsity = detail
+    return {"detail": name, **({"detail_sparsity": sparsity} if sparsity else {})}
 
 
-def _unreachable(options, budget: Budget, zoom: int, summaries: int, host: float, detail: str | None = None,
+def _unreachable(options, budget: Budget, zoom: int, summaries: int, host: float, detail: tuple | None = None,
                  fixed=()) -> Plan:
     """The smallest options (a 16-token tail, one summary token a thought, one zoomed thought), with the note."""
     cap = caps(options, fixed)[-1]
