@@ -139,7 +139,7 @@ def voting_layer(tiny, keys, opts):
     cache.index = ThoughtIndex(1)
     for k in keys:
         cache.index.add(0, k.expand(len(cache.layers), *k.shape))  # every layer's index key (L, Hkv, d)
-    cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
+    cache.rows, cache.last_zoom = [Row(0, 4)], [[[]]]
     cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(len(keys))]
     cache.voting = torch.ones(1, dtype=torch.bool)
     return cache, layer
@@ -150,8 +150,25 @@ def test_votes_pick_the_thought_whose_keys_match_the_query(tiny):
     keys = [eye[t].expand(2, 16) for t in range(5)]  # (Hkv, d): thought t's index key is direction t
     cache, layer = voting_layer(tiny, keys, {"votes_per_head": "1", "zoom_thoughts": "1"})
     cache.cast_votes({layer.idx: (10 * eye[3]).expand(1, 4, 16)})  # (1, Hq=4, 16): every head points at thought 3
-    assert cache.ballot.votes.argmax().item() == 3 and cache.ballot.votes[0, 3] == 4  # 4 query heads, 1 vote each
-    assert cache._select() and cache.rows[0].zoom == [3]
+    assert cache.ballot.votes.argmax().item() == 3 and cache.ballot.votes[0, 0, 3] == 4  # 4 query heads, 1 vote each
+    assert cache._select() and cache.rows[0].zoom == [[3]]
+
+
+def test_each_layer_zooms_in_on_its_own_heads_choice_with_zoom_scope_layer(tiny):
+    """zoom_scope=layer: layer 0's heads all point at thought 3, layer 1's at thought 1; each layer gets its own
+    thought, where the row's consensus (scope row) would give both layers one of the two."""
+    eye = torch.eye(16)
+    keys = [eye[t].expand(2, 16) for t in range(5)]
+    opts = {"votes_per_head": "1", "zoom_thoughts": "1", "vote_decay": "0"}
+    for scope, want in (("layer", [[3], [1]]), ("row", [[1]])):
+        cache, _ = voting_layer(tiny, keys, {**opts, "zoom_scope": scope})
+        cache.last_zoom, cache.rows[0].zoom = [[[]] * cache.groups], [[]] * cache.groups
+        second = cache.layers[1]
+        second.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
+        second.positions = torch.zeros(1, 1, dtype=torch.long)
+        cache.cast_votes({0: (10 * eye[3]).expand(1, 4, 16), 1: (10 * eye[1]).expand(1, 4, 16)})
+        assert cache._select() and cache.rows[0].zoom == want  # (a tie in the row's tally goes to the earlier thought)
+        assert [cache.rows[0].zoom_of(i) for i in (0, 1)] == (want if scope == "layer" else want * 2)
 
 
 def test_centered_index_removes_what_every_thought_shares(tiny):
@@ -218,13 +235,13 @@ def test_novel_pick_keeps_the_tokens_unlike_the_keys_before_the_thought(tiny):
 @pytest.mark.parametrize("decay, expect", [(0.0, [2]), (0.5, [1])])
 def test_decay_carries_earlier_votes_into_the_next_selection(tiny, decay, expect):
     cache = get_method("zoomr", {"zoom_thoughts": "1", "vote_decay": str(decay)}).make_cache(tiny)
-    cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
+    cache.rows, cache.last_zoom = [Row(0, 4)], [[[]]]
     cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(3)]
-    cache.ballot.votes = torch.tensor([[0.0, 10.0, 0.0]])
-    assert cache._select() and cache.rows[0].zoom == [1]
-    cache.ballot.votes = torch.tensor([[0.0, 0.0, 4.0]])  # a weaker vote for thought 2: 0.5 * 10 > 4 keeps thought 1
+    cache.ballot.votes = torch.tensor([[[0.0, 10.0, 0.0]]])
+    assert cache._select() and cache.rows[0].zoom == [[1]]
+    cache.ballot.votes = torch.tensor([[[0.0, 0.0, 4.0]]])  # a weaker vote for thought 2: 0.5 * 10 > 4 keeps thought 1
     cache._select()
-    assert cache.rows[0].zoom == expect
+    assert cache.rows[0].zoom == [expect]
 
 
 @pytest.mark.parametrize("margin, second, expect", [("0", 9.0, [2]), ("0.25", 9.0, [1]), ("0.25", 7.0, [2])])
@@ -232,46 +249,51 @@ def test_a_zoomed_thought_is_replaced_only_by_a_challenger_ahead_by_the_margin(t
     """zoom_margin: thought 1, zoomed in, counts its votes 1 + margin times; thought 2 with 10 votes replaces it only
     when 10 beats that (9 * 1.25 = 11.25 holds, 7 * 1.25 = 8.75 does not)."""
     cache = get_method("zoomr", {"zoom_thoughts": "1", "vote_decay": "0", "zoom_margin": margin}).make_cache(tiny)
-    cache.rows, cache.last_zoom = [Row(0, 4)], [[]]
+    cache.rows, cache.last_zoom = [Row(0, 4)], [[[]]]
     cache.rows[0].thoughts = [(4 + 10 * i, 14 + 10 * i) for i in range(3)]
-    cache.ballot.votes = torch.tensor([[0.0, 10.0, 0.0]])
-    assert cache._select() and cache.rows[0].zoom == [1]
-    cache.ballot.votes = torch.tensor([[0.0, second, 10.0]])
+    cache.ballot.votes = torch.tensor([[[0.0, 10.0, 0.0]]])
+    assert cache._select() and cache.rows[0].zoom == [[1]]
+    cache.ballot.votes = torch.tensor([[[0.0, second, 10.0]]])
     cache._select()
-    assert cache.rows[0].zoom == expect
+    assert cache.rows[0].zoom == [expect]
 
 
-def test_zooming_in_on_every_thought_equals_full(tiny, tokenizer):
+@pytest.mark.parametrize("scope", ["row", "layer"])
+def test_zooming_in_on_every_thought_equals_full(tiny, tokenizer, scope):
     """With every thought zoomed in at every step, the active context is everything: logits match full."""
     text = "alpha beta gamma.\n\ndelta epsilon zeta.\n\neta theta iota.\n\nkappa lambda mu nu xi"
-    opts = {**SMALL, "votes_per_head": "50", "zoom_thoughts": "50", "select_at": "token"}
+    opts = {**SMALL, "votes_per_head": "50", "zoom_thoughts": "50", "select_at": "token", "zoom_scope": scope}
     cache, preds, logits, peak = feed(tiny, tokenizer, get_method("zoomr", opts), "start", text)
     _, full_preds, full_logits, _ = feed(tiny, tokenizer, get_method("full"), "start", text)
     assert len(cache.rows[0].thoughts) == 3 and cache.rebuilds > 0
     assert torch.equal(preds, full_preds) and torch.allclose(logits, full_logits, atol=1e-4)
 
 
-def test_active_context_is_prompt_summaries_zoom_and_tail(tiny, tokenizer):
+@pytest.mark.parametrize("scope", ["row", "layer"])
+def test_active_context_is_prompt_summaries_zoom_and_tail(tiny, tokenizer, scope):
+    """Each layer holds the prompt, its summaries, the tail and its zoomed thoughts: the row's set, or its own."""
     text = "".join(f"thought number {i} says hi.\n\n" for i in range(8)) + "end"
-    cache, _, _, peak = feed(tiny, tokenizer, get_method("zoomr", {**SMALL, "zoom_thoughts": "1"}), "the prompt", text)
+    method = get_method("zoomr", {**SMALL, "zoom_thoughts": "1", "zoom_scope": scope})
+    cache, _, _, peak = feed(tiny, tokenizer, method, "the prompt", text)
     row = cache.rows[0]
     for layer in cache.layers:
         active = set(layer.positions[0].tolist())
         expected = set(range(*row.keep[0])) | set(range(cache.tail_start[0], layer.seen))
         expected |= {p for sp in layer.summary_pos[0] for p in sp.tolist()}
-        expected |= {p for t in row.zoom for p in range(*row.thoughts[t])}
+        expected |= {p for t in row.zoom_of(layer.idx) for p in range(*row.thoughts[t])}
         # Between rebuilds the tail only grows: every expected token is active, nothing else but newer tail tokens.
         assert expected <= active and all(p >= cache.tail_start[0] for p in active - expected)
         assert len(active) < layer.seen
     mem = cache.memory()
     assert 0 < mem["on_device"] < mem["full_same_dtype"] and mem["host"] > 0
-    assert cache.stats()["thoughts_indexed"] == [8] and len(cache.stats()["zoomed_thoughts"][0]) == 1
+    zoomed = cache.stats()["zoomed_thoughts"][0]  # row 0's set, or its set in each layer
+    assert cache.stats()["thoughts_indexed"] == [8] and len(zoomed if scope == "row" else zoomed[1]) == 1
 
 
 def test_sumr_keeps_no_detail_and_never_zooms(tiny, tokenizer):
     text = "".join(f"thought number {i} says hi.\n\n" for i in range(6))
     cache, _, _, _ = feed(tiny, tokenizer, get_method("sumr", SMALL), "p", text)
-    assert cache.memory()["host"] == 0 and cache.rows[0].zoom == [] and len(cache.rows[0].thoughts) == 6
+    assert cache.memory()["host"] == 0 and cache.rows[0].zoom == [[]] and len(cache.rows[0].thoughts) == 6
     assert cache.ballot is None and cache.index is None  # no index to vote on
 
 
@@ -289,9 +311,10 @@ def test_tails_move_together_every_quarter_window_of_decode_steps(tiny, tokenize
     assert len(decoding) >= 10 and all(step % 2 == 0 for step in decoding)
 
 
-@pytest.mark.parametrize("name", ["zoomr", "sumr", "h2o", "zoomr-thought", "sumr-novel"])
+@pytest.mark.parametrize("name", ["zoomr", "sumr", "h2o", "zoomr-thought", "sumr-novel", "zoomr-layer"])
 def test_left_padded_batch_matches_rows_one_by_one(tiny, tokenizer, name):
     opts = {"h2o": {"heavy": "6", "window": "6"}, "sumr-novel": {**SMALL, "summary_pick": "novel"},
+            "zoomr-layer": {**SMALL, "zoom_scope": "layer"},
             "zoomr-thought": {**SMALL, "summary_pick": "norm", "select_at": "thought", "vote_decay": "0"}}
     opts = opts.get(name, SMALL)
     method = get_method(name.split("-")[0], opts)
@@ -307,6 +330,8 @@ def test_left_padded_batch_matches_rows_one_by_one(tiny, tokenizer, name):
 
 def test_options_are_validated():
     assert get_method("zoomr", {"summary_source": "generated"}).summary_source == "generated"
+    with pytest.raises(UserError, match="zoom_scope='head' is not allowed; use one of: row, layer"):
+        get_method("zoomr", {"zoom_scope": "head"})
     with pytest.raises(UserError, match="summary_pick='attention' is not allowed; use one of: norm, novel"):
         get_method("zoomr", {"summary_pick": "attention"})
     with pytest.raises(UserError, match="select_at='sentence' is not allowed; use one of: token, thought"):

@@ -28,6 +28,7 @@ from kvzip.placement import layer_devices
 from kvzip.sparse.dictionary import prepare_for_devices
 
 SELECT_AT = ("token", "thought")
+ZOOM_SCOPES = ("row", "layer")
 
 
 @dataclass
@@ -83,6 +84,7 @@ class ZoomR(ThoughtOptions):
     select_at: str = "token"
     vote_decay: float = 0.8
     zoom_margin: float = 0.25
+    zoom_scope: str = "row"  # row: one consensus over every layer's heads (the paper); layer: each layer its own
     detail: str = "int8"
     detail_sparsity: int = 0  # atoms a detail vector with detail=fadkv; 0: as the dictionary was trained
 
@@ -90,6 +92,7 @@ class ZoomR(ThoughtOptions):
         super().__post_init__()
         check_choice("select_at", self.select_at, SELECT_AT)
         check_choice("detail", self.detail, DETAILS)
+        check_choice("zoom_scope", self.zoom_scope, ZOOM_SCOPES)
         check_positive(votes_per_head=self.votes_per_head, zoom_thoughts=self.zoom_thoughts)
         if self.detail_sparsity < 0:
             raise ValueError(f"detail_sparsity must be >= 0 (0: the dictionary's sparsity), got {self.detail_sparsity}")
@@ -138,5 +141,6 @@ class ZoomR(ThoughtOptions):
                 raise UserError(f"detail_sparsity {sparsity} exceeds the dictionary's {dictionaries.num_atoms} atoms")
             detail = [CodedDetail(atoms, sparsity, kv_heads)  # each layer codes with atoms on its own device
                       for atoms in prepare_for_devices(dictionaries, layer_devices(model))]
-        zoom = Zoom(self.votes_per_head, self.zoom_thoughts, self.select_at, self.vote_decay, self.zoom_margin)
+        zoom = Zoom(self.votes_per_head, self.zoom_thoughts, self.select_at, self.vote_decay, self.zoom_margin,
+                    self.zoom_scope)
         return ThoughtCache(self, self.thought_config(zoom, detail), ropes, windows)

@@ -44,6 +44,8 @@ class ThoughtCache(KVCache):
 
     def __init__(self, method, config: ThoughtConfig, ropes: list, windows: list):
         self.config = config
+        # zoom groups: one zoom set a row shares over its layers, or one a layer (`Zoom.scope`, index.Ballot)
+        self.groups = 1 if config.zoom is None or config.zoom.scope == "row" else len(windows)
         self._fresh()
         details = config.detail or [None] * len(windows)
         super().__init__([ThoughtLayer(i, ropes[i], windows[i], details[i]) for i in range(len(windows))], method)
@@ -57,12 +59,12 @@ class ThoughtCache(KVCache):
         self.next_finishing: list[tuple[int, int]] = []
         self.voting = self.next_voting = None  # (B,) bool rows voting in this / the next forward
         self.any_voting = self.next_any = False
-        self.ballot = None if config.zoom is None else Ballot(config.zoom.zoom_thoughts, config.zoom.vote_decay,
-                                                                 config.zoom.margin)
+        zoom = config.zoom
+        self.ballot = None if zoom is None else Ballot(zoom.zoom_thoughts, zoom.vote_decay, zoom.margin, self.groups)
         self.tail_start: list[int] = []
-        self.zoomed: list[set[int]] = []  # per row, the zoom set its buffers were last gathered for
+        self.zoomed: list[list[set[int]]] = []  # per row and zoom group, the set its buffers were last gathered for
         self.overhead_s, self.steps, self.rebuilds = 0.0, 0, 0
-        self.last_zoom: list[list[int]] = []
+        self.last_zoom: list[list[list[int]]] = []
         self.index: ThoughtIndex | None = None  # every layer's index keys over the finished thoughts (zoom only)
 
     def reset(self):
@@ -92,11 +94,13 @@ class ThoughtCache(KVCache):
             batch = attention_mask.shape[0]
             pad = (attention_mask.cumsum(-1) == 0).sum(-1).tolist()  # each row's left padding
             self.rows = [Row(p, q_len) for p in pad]
+            for row in self.rows:
+                row.zoom = [[] for _ in range(self.groups)]
             self.first_real = torch.tensor(pad, device=device)[:, None]  # (B, 1) each row's first real position
             self.voting = torch.zeros(batch, dtype=torch.bool, device=device)
             self.next_voting = torch.zeros_like(self.voting)
-            self.last_zoom = [[] for _ in range(batch)]
-            self.zoomed = [set() for _ in range(batch)]
+            self.last_zoom = [[[] for _ in range(self.groups)] for _ in range(batch)]
+            self.zoomed = [[set() for _ in range(self.groups)] for _ in range(batch)]
             self.index = None if self.config.zoom is None else ThoughtIndex(batch)
         elif q_len > 1:  # more input (a chat turn): the open thought ends, the new tokens are kept in full
             for b, row in enumerate(self.rows):
@@ -125,7 +129,7 @@ class ThoughtCache(KVCache):
                 self.tail_start[b] = self.rows[b].tail_from = need[b]
             rebuild_rows(self.layers, self.rows, moved, self.seen, self.q_len, self.tail_start, self.zoomed)
             for b in moved:
-                self.zoomed[b] = set(self.rows[b].zoom)
+                self.zoomed[b] = [set(z) for z in self.rows[b].zoom]
         self.finishing, self.next_finishing = self.next_finishing, []
         self.voting, self.next_voting = self.next_voting, torch.zeros_like(self.next_voting)
         self.any_voting, self.next_any = self.next_any, False
@@ -168,8 +172,14 @@ class ThoughtCache(KVCache):
             content[at] = unrotate(q[at].transpose(1, 2), pos, rope).transpose(1, 2)  # (Lr, Hq, B, d) turned
         top = head_votes(content.float(), keys, valid, self.config.zoom.votes_per_head)  # (L, B, Hq, k)
         hits = valid.gather(2, top.flatten(2)) & self.voting[None, :, None]  # only real thoughts, voting rows
-        self.ballot.add(top.transpose(0, 1).flatten(1), hits.transpose(0, 1).flatten(1).float(),
-                        max(len(r.thoughts) for r in self.rows))
+        top, hits = top.flatten(2), hits.float()  # (L, B, Hq k): each layer's votes
+        if self.groups == 1:  # one consensus over heads and layers
+            top, hits = top.transpose(0, 1).flatten(1)[None], hits.transpose(0, 1).flatten(1)[None]
+        elif len(layers) < len(self.layers):  # a layer that cast no vote (a sliding one past every thought) adds none
+            at = torch.tensor([layer.idx for layer in layers], device=top.device)
+            top = top.new_zeros(len(self.layers), *top.shape[1:]).index_copy_(0, at, top)
+            hits = hits.new_zeros(len(self.layers), *hits.shape[1:]).index_copy_(0, at, hits)
+        self.ballot.add(top, hits, max(len(r.thoughts) for r in self.rows))
 
     def _select(self) -> set[int]:
         """Apply the zoom sets the last forward's votes chose; returns the rows whose zoom set changed."""
@@ -196,7 +206,7 @@ class ThoughtCache(KVCache):
         mem = self.memory()
         return {
             "thoughts_indexed": [len(r.thoughts) for r in self.rows],
-            "zoomed_thoughts": self.last_zoom,
+            "zoomed_thoughts": [z[0] if self.groups == 1 else z for z in self.last_zoom],  # a list a row (or a layer)
             "selections": 0 if self.ballot is None else self.ballot.selections,
             "rebuilds": self.rebuilds,
             "device_bytes": mem["on_device"],

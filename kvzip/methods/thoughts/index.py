@@ -115,48 +115,53 @@ def head_votes(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, per
 
 
 class Ballot:
-    """The vote tally of one forward, summed over the layers, and the zoom sets it chooses."""
+    """The vote tally of one forward and the zoom sets it chooses, per zoom group: one group for every layer (the
+    paper's consensus: votes summed over heads and layers) or one group a layer (`groups` = the layer count: each
+    layer zooms in on what its own heads voted for)."""
 
-    def __init__(self, zoom_thoughts: int, decay: float, margin: float = 0.0):
-        self.zoom_thoughts, self.decay, self.margin = zoom_thoughts, decay, margin
-        self.votes: torch.Tensor | None = None  # (B, T) votes cast in the current forward
-        self.running: torch.Tensor | None = None  # (B, T) decayed tally of earlier forwards (decay > 0)
+    def __init__(self, zoom_thoughts: int, decay: float, margin: float = 0.0, groups: int = 1):
+        self.zoom_thoughts, self.decay, self.margin, self.groups = zoom_thoughts, decay, margin, groups
+        self.votes: torch.Tensor | None = None  # (G, B, T) votes cast in the current forward
+        self.running: torch.Tensor | None = None  # (G, B, T) decayed tally of earlier forwards (decay > 0)
         self.selections = 0
 
     def add(self, choices: torch.Tensor, weights: torch.Tensor, thoughts: int) -> None:
-        """choices (B, n) thought indices, weights (B, n): one layer's votes; `thoughts` the most any row has."""
+        """choices (G, B, n) thought indices, weights (G, B, n): votes of each group's heads; `thoughts` the most any
+        row has."""
         if self.votes is None:
-            self.votes = torch.zeros(choices.shape[0], thoughts, device=choices.device)
-        self.votes.scatter_add_(1, choices, weights)
+            self.votes = torch.zeros(self.groups, choices.shape[1], thoughts, device=choices.device)
+        self.votes.scatter_add_(2, choices, weights)
 
-    def select(self, current: list[list[int]]) -> dict[int, list[int]]:
-        """Close the tally: the zoom set (sorted thought indices) of every row that cast votes, by row; `current` is
-        each row's zoom set now (its thoughts count `1 + margin` times their tally)."""
-        chosen: dict[int, list[int]] = {}
+    def select(self, current: list[list[list[int]]]) -> dict[int, list[list[int]]]:
+        """Close the tally: the zoom sets (per group, sorted thought indices) of every row that cast votes, by row;
+        `current` is each row's zoom sets now (their thoughts count `1 + margin` times their tally)."""
+        chosen: dict[int, list[list[int]]] = {}
         if self.votes is None:
             return chosen
         votes, self.votes = self.votes, None
         if self.decay > 0:  # earlier selection points' votes carry over, fading: the zoom set follows a whole question
-            old = self.running if self.running is not None else votes.new_zeros(votes.shape[0], 0)
+            old = self.running if self.running is not None else votes.new_zeros(*votes.shape[:2], 0)
             grown = votes.new_zeros(votes.shape)
-            grown[:, : old.shape[1]] = old
-            cast = votes.sum(1, keepdim=True) > 0
+            grown[..., : old.shape[2]] = old
+            cast = votes.sum(2, keepdim=True) > 0
             self.running = torch.where(cast, self.decay * grown + votes, grown)
         tally = self.running if self.decay > 0 else votes
         score = tally if self.margin == 0 else tally * (1 + self.margin * self._held(current, tally))
-        top = ranked(score)[:, : self.zoom_thoughts]  # (B, c) the most-voted of every row, ties to the earlier thought
+        top = ranked(score)[..., : self.zoom_thoughts]  # (G, B, c) the most-voted, ties to the earlier thought
         # one read back to the host for the whole batch: which rows voted, their top thoughts and those thoughts' tally
-        cast, top_ids, top_votes = (votes.sum(1) > 0).tolist(), top.tolist(), tally.gather(1, top).tolist()
-        for b in range(votes.shape[0]):
+        cast, top_ids, top_votes = (votes.sum((0, 2)) > 0).tolist(), top.tolist(), tally.gather(2, top).tolist()
+        for b in range(votes.shape[1]):
             if not cast[b]:
                 continue
-            chosen[b] = sorted(i for i, v in zip(top_ids[b], top_votes[b]) if v > 0)
+            chosen[b] = [sorted(i for i, v in zip(top_ids[g][b], top_votes[g][b]) if v > 0)
+                         for g in range(self.groups)]
             self.selections += 1
         return chosen
 
-    def _held(self, current: list[list[int]], tally: torch.Tensor) -> torch.Tensor:
-        """1.0 where a thought is in its row's zoom set `current`, else 0.0, shaped as `tally` (B, T): one scatter for
-        the batch, each row's set padded with a column past the end that is dropped after."""
-        t = tally.shape[1]
-        at = torch.tensor([z + [t] * (self.zoom_thoughts - len(z)) for z in current], device=tally.device)
-        return tally.new_zeros(tally.shape[0], t + 1).scatter_(1, at.clamp(max=t), 1.0)[:, :t]
+    def _held(self, current: list[list[list[int]]], tally: torch.Tensor) -> torch.Tensor:
+        """1.0 where a thought is in its row's zoom set of its group (`current`), else 0.0, shaped as `tally` (G, B,
+        T): one scatter for the batch, each set padded with a column past the end that is dropped after."""
+        t, c = tally.shape[2], self.zoom_thoughts
+        at = torch.tensor([[z + [t] * (c - len(z)) for z in sets] for sets in current], device=tally.device)
+        at = at.transpose(0, 1).clamp(max=t)  # (G, B, c)
+        return tally.new_zeros(*tally.shape[:2], t + 1).scatter_(2, at, 1.0)[..., :t]

@@ -32,6 +32,7 @@ class Zoom:
     select_at: str  # "token": a vote at every step; "thought": at every thought end
     vote_decay: float
     margin: float = 0.0  # a thought in the zoom set counts its tally 1 + margin times (index.Ballot)
+    scope: str = "row"  # "row": one zoom set for every layer of a row; "layer": each layer its own
 
 
 @dataclass(frozen=True)

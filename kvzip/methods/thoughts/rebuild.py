@@ -18,10 +18,10 @@ from kvzip.rope import visible_from
 
 
 def rebuild_rows(all_layers: list[ThoughtLayer], rows: list[Row], moved: list[int], seen: int, q_len: int,
-                 tail_start: list[int], zoomed: list[set[int]]) -> None:
+                 tail_start: list[int], zoomed: list[list[set[int]]]) -> None:
     """Rebuild the active context of the rows (of `rows`) whose zoom set or tail moved, in every layer at once,
     before the forward that brings the last `q_len` of `seen` tokens. `tail_start` is each row's tail's first position
-    and `zoomed` the zoom set its buffers were last gathered for. Layers of one kind of attention are planned together
+    and `zoomed` the zoom sets (one, or one a layer) its buffers were last gathered for. Layers of one kind of attention are planned together
     (`plan_row`); only the gathers and writes are per layer. Positions a sliding-window layer's queries can no longer
     see are left out."""
     groups: dict = {}
@@ -39,9 +39,9 @@ def rebuild_rows(all_layers: list[ThoughtLayer], rows: list[Row], moved: list[in
 
 
 def plan_row(layers: list[ThoughtLayer], row: Row, b: int, cut: int, seen: int, tail_start: int,
-             zoomed: set[int]) -> list[tuple]:
-    """Row b's active context in each of `layers`: the kept prompt, the tail, the layer's summaries and the zoomed
-    thoughts, none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and V (Hkv, m, d) and where they
+             zoomed: list[set[int]]) -> list[tuple]:
+    """Row b's active context in each of `layers`: the kept prompt, the tail, the layer's summaries and its zoomed
+    thoughts (`Row.zoom_of`), none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and V (Hkv, m, d) and where they
     go, or None), sources indexing the layer's current row followed by the loaded tokens. Order: on a full-attention
     layer the zoomed thoughts' other tokens (neither summary nor tail) come first, then everything else by position
     (attention does not care about order; the tail stays last and sorted). A sliding-window layer keeps the whole
@@ -52,35 +52,40 @@ def plan_row(layers: list[ThoughtLayer], row: Row, b: int, cut: int, seen: int, 
     pad = torch.nn.utils.rnn.pad_sequence
     device, count = layers[0].device, len(layers)
     base = torch.zeros(seen + 1, dtype=torch.bool, device=device)
-    for s, e in row.keep + [(tail_start, seen)] + [row.thoughts[t] for t in row.zoom]:
+    for s, e in row.keep + [(tail_start, seen)]:
         base[s:e] = True
+    zooms = [row.zoom_of(layer.idx) for layer in layers]  # each layer's zoom set (one shared, or its own)
+    zoom = torch.zeros(count, seen + 1, dtype=torch.bool, device=device)
+    for i, z in enumerate(zooms):
+        for t in z:
+            zoom[i, slice(*row.thoughts[t])] = True
     summaries = torch.zeros(count, seen + 1, dtype=torch.bool, device=device).scatter_(
         1, pad([layer.summary_all[b] for layer in layers], batch_first=True, padding_value=seen), True)
-    wanted = base | summaries
+    wanted = base | summaries | zoom
     wanted[:, seen] = False
     wanted[:, :cut] = False
     order = None  # by layer, then by position; on full-attention layers zoomed tokens first
-    if layers[0].sliding is None and row.zoom:
-        aside = torch.zeros(seen + 1, dtype=torch.bool, device=device)
-        for t in row.zoom:
-            aside[row.thoughts[t][0] : min(row.thoughts[t][1], tail_start)] = True
-        order = aside & ~summaries
+    if layers[0].sliding is None and any(zooms):
+        order = zoom & ~summaries
+        order[:, tail_start:] = False
     held_pos = pad([layer.positions[b] for layer in layers], batch_first=True, padding_value=-1)  # (L, W)
     at = torch.where(held_pos >= 0, held_pos, seen)
     held = torch.zeros_like(wanted).scatter_(1, at, True)
     slot = torch.zeros_like(wanted, dtype=torch.long).scatter_(
         1, at, torch.arange(at.shape[1], device=device).expand_as(at))  # position -> its slot in the row
     keep = wanted & held
-    new = [t for t in row.zoom if t not in zoomed]
+    news = [[t for t in z if t not in zoomed[layer.idx if len(zoomed) > 1 else 0]] for z, layer in zip(zooms, layers)]
+    new = any(news)
     if new:
-        fresh = torch.zeros(seen + 1, dtype=torch.bool, device=device)
-        loaded_at = torch.zeros(seen + 1, dtype=torch.long, device=device)  # position -> index among the loaded
-        offset = 0
-        for t in new:
-            s, e = row.thoughts[t]
-            fresh[s:e] = True
-            loaded_at[s:e] = torch.arange(offset, offset + e - s, device=device)
-            offset += e - s
+        fresh = torch.zeros(count, seen + 1, dtype=torch.bool, device=device)
+        loaded_at = torch.zeros(count, seen + 1, dtype=torch.long, device=device)  # position -> index among loaded
+        for i, ts in enumerate(news):
+            offset = 0
+            for t in ts:
+                s, e = row.thoughts[t]
+                fresh[i, s:e] = True
+                loaded_at[i, s:e] = torch.arange(offset, offset + e - s, device=device)
+                offset += e - s
         load = wanted & ~held & fresh
         keep = keep | load
     widths = torch.tensor([layer.positions.shape[1] for layer in layers], device=device)
@@ -92,14 +97,17 @@ def plan_row(layers: list[ThoughtLayer], row: Row, b: int, cut: int, seen: int, 
         pos = pos.remainder(seen + 1)
     src = slot[which, pos]
     if new:
-        src = torch.where(held[which, pos], src, widths[which] + loaded_at[pos])
+        src = torch.where(held[which, pos], src, widths[which] + loaded_at[which, pos])
     numbers = torch.stack([kept] + ([load.sum(1)] if new else [])).tolist()
     counts = numbers[0]
     loaded = [None] * count
     if new and any(numbers[1]):
-        stores = [layer.detail_store for layer in layers]
-        parts = [load_layers(stores, [layer.detail[b][t] for layer in layers], device, layers[0].dtype)
-                 for t in new]  # per thought, per layer (K, V)
+        parts = {}  # thought -> {layer's index among `layers`: its (K, V)}, each thought loaded once for its layers
+        for t in dict.fromkeys(t for ts in news for t in ts):
+            at = [i for i, ts in enumerate(news) if t in ts]
+            got = load_layers([layers[i].detail_store for i in at], [layers[i].detail[b][t] for i in at], device,
+                              layers[0].dtype)
+            parts[t] = dict(zip(at, got))
         # Where the loaded tokens go: their index in the layer's list and among the layer's loaded tokens. Their
         # sources point past the row; the row's gather reads slot 0 for them instead, then they are put in place.
         outside = src >= widths[which]
@@ -108,7 +116,7 @@ def plan_row(layers: list[ThoughtLayer], row: Row, b: int, cut: int, seen: int, 
         into = (flat - (ends - kept)[which])[from_detail].split(numbers[1])
         origin = (src[from_detail] - widths[which[from_detail]]).split(numbers[1])
         src = src.masked_fill(outside, 0)
-        loaded = [(torch.cat([part[i][0] for part in parts], 1), torch.cat([part[i][1] for part in parts], 1),
+        loaded = [(torch.cat([parts[t][i][0] for t in news[i]], 1), torch.cat([parts[t][i][1] for t in news[i]], 1),
                    into[i], origin[i]) if numbers[1][i] else None for i in range(count)]
     return list(zip(pos.split(counts), src.split(counts), loaded))
 

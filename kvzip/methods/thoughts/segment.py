@@ -53,8 +53,12 @@ class Row:
         self.cur = end  # first position of the open thought
         self.text, self.char_pos = "", []  # open thought's text; (position, char end) per token
         self.summary_start: int | None = None
-        self.zoom: list[int] = []
+        self.zoom: list[list[int]] = [[]]  # the zoom set of each zoom group (one, or one a layer: index.Ballot)
         self.tail_from = end  # first tail position kept at the last rebuild
+
+    def zoom_of(self, layer: int) -> list[int]:
+        """The thoughts layer `layer` is zoomed in on: its own group's set, or the one set every layer shares."""
+        return self.zoom[layer if len(self.zoom) > 1 else 0]
 
     def feed(self, rule: Segmentation, pos: int, text: str, token: int) -> bool:
         """The token at `pos` (decoded `text`) joins the open thought. True when it ends the thought: the thought is
