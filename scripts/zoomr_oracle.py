@@ -1,0 +1,71 @@
+"""zoomr with an oracle's zoom choice: how far better thought selection alone could take zoomr at a budget.
+
+Runs `kvzip bench` (all its arguments pass through) with zoomr's votes replaced: instead of its query heads scoring
+the summary index, each head's real attention over every finished thought's detail keys (as the detail tier holds
+them) is summed per thought, and those masses are the votes. Everything else is zoomr's own: the tail, the summaries,
+the zoom count and scope, the one-step lag (the votes of one forward choose the zoom set of the next), the memory.
+A zoomr cell run this way is the score of a perfect chooser of thoughts under zoomr's memory layout; if it stays
+below another method at the same budget, no selection rule closes the gap, and the layout is what stops zoomr.
+Run with `vote_decay=0,zoom_margin=0` so that only this step's attention chooses. Default model only (no
+sliding-window layers: a model that has them is refused). A research tool: slow (every step reads every thought).
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/zoomr_oracle.py --budgets 0.25 --budget-tier device \\
+        --workloads output --output-tokens 2048 --rows 4 --methods full \\
+        --method-set zoomr:vote_decay=0,zoom_margin=0 --dtype bfloat16 --json /tmp/oracle.json
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvzip.methods.thoughts import cache as thought_cache
+
+
+class Seen:
+    """One layer's and row's detail keys of every finished thought, decoded once: keys (Hkv, N, d) and thought ids."""
+
+    def __init__(self):
+        self.keys, self.ids, self.count = None, None, 0
+
+    def extend(self, layer, b: int, thoughts: int) -> None:
+        for t in range(self.count, thoughts):
+            stored = layer.detail[b][t]
+            k, _ = layer.detail_store.load(stored, layer.device, torch.float32)
+            ids = torch.full((k.shape[1],), t, dtype=torch.long, device=k.device)
+            self.keys = k if self.keys is None else torch.cat([self.keys, k], 1)
+            self.ids = ids if self.ids is None else torch.cat([self.ids, ids])
+        self.count = thoughts
+
+
+def oracle_votes(self, queries: dict[int, torch.Tensor]) -> None:
+    """Stands in for ThoughtCache.cast_votes: each voting row's attention mass per thought, per layer (`queries`:
+    layer index -> its last query (B, Hq, d), after RoPE as the layer attended with it)."""
+    if any(layer.sliding is not None for layer in self.layers):
+        raise SystemExit("zoomr_oracle.py: models with sliding-window layers are not covered")
+    if not hasattr(self, "oracle"):
+        self.oracle = {}
+    width = max(len(r.thoughts) for r in self.rows)
+    if width == 0:
+        return
+    groups = self.ballot.groups
+    votes = torch.zeros(groups, len(self.rows), width)
+    for i, q in queries.items():
+        layer = self.layers[i]
+        hq, d = q.shape[1], q.shape[2]
+        for b, row in enumerate(self.rows):
+            if not bool(self.voting[b]) or not row.thoughts:
+                continue
+            seen = self.oracle.setdefault((i, b), Seen())
+            seen.extend(layer, b, len(row.thoughts))
+            grouped = q[b].float().view(layer.kv_heads, hq // layer.kv_heads, d)
+            logits = grouped @ seen.keys.transpose(-1, -2) / d**0.5  # (Hkv, g, N)
+            mass = logits.softmax(-1).reshape(hq, -1).sum(0)  # (N,) over the heads
+            votes[0 if groups == 1 else i, b].index_add_(0, seen.ids, mass)
+    self.ballot.add(torch.arange(width).expand(groups, len(self.rows), width), votes, width)
+
+
+if __name__ == "__main__":
+    thought_cache.ThoughtCache.cast_votes = oracle_votes
+    from kvzip.cli import main
+
+    main()
