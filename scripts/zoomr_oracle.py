@@ -2,10 +2,11 @@
 
 Runs the kvzip command (`bench` and its arguments pass through) with zoomr's votes replaced: instead of its query
 heads scoring the summary index, each head's real attention over every finished thought's detail keys (as the detail
-tier holds them) is summed per thought, and those masses are the votes. Everything else is zoomr's own: the tail, the summaries,
-the zoom count and scope, the one-step lag (the votes of one forward choose the zoom set of the next), the memory.
-A zoomr cell run this way is the score of a perfect chooser of thoughts under zoomr's memory layout; if it stays
-below another method at the same budget, no selection rule closes the gap, and the layout is what stops zoomr.
+tier holds them) is summed per thought, and those masses are the votes. Everything else is zoomr's own: the tail,
+the summaries, the zoom count and scope, the one-step lag (the votes of one forward choose the zoom set of the next),
+the memory. A zoomr cell run this way scores what a chooser of thoughts that reads the real attention would, under
+zoomr's memory layout; if it stays below another method at the same budget, a better vote alone does not close the
+gap, and the layout is what stops zoomr.
 Run with `vote_decay=0,zoom_margin=0` so that only this step's attention chooses. Default model only (no
 sliding-window layers: a model that has them is refused). A research tool: slow (every step reads every thought).
 
