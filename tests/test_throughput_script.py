@@ -4,22 +4,11 @@ its own steps only."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from kvzip import engine
 from tests.matrix import tiny_method
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "throughput.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("throughput_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 def test_lockstep_runs_each_method_as_it_runs_alone(tiny, tokenizer, tiny_dictionaries):
@@ -27,7 +16,7 @@ def test_lockstep_runs_each_method_as_it_runs_alone(tiny, tokenizer, tiny_dictio
     dicts = [tiny_dictionaries if m.needs_dictionary else None for m in methods]
     prompts = [tokenizer("Count the boxes: one, two.")["input_ids"], tokenizer("Two more.")["input_ids"]]
     settings = engine.Settings(max_new_tokens=24, ignore_eos=True)
-    summaries = load_script().lockstep(engine, tiny, tokenizer, prompts, methods, dicts, settings, end_steps=8)
+    summaries = load_script("throughput").lockstep(engine, tiny, tokenizer, prompts, methods, dicts, settings, end_steps=8)
     for method, d, summary in zip(methods, dicts, summaries):
         alone = [e for e in engine.generate(tiny, tokenizer, prompts, method.make_cache(tiny, d), settings)
                  if isinstance(e, engine.Summary)][0].stats

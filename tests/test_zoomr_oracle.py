@@ -3,22 +3,11 @@ go to the thought whose detail keys the query points at, per layer under zoom_sc
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
 from kvzip.methods import get_method
 from kvzip.methods.thoughts.segment import Row
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "zoomr_oracle.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("zoomr_oracle", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 def test_oracle_votes_follow_the_attention_over_each_thoughts_detail(tiny):
@@ -26,7 +15,7 @@ def test_oracle_votes_follow_the_attention_over_each_thoughts_detail(tiny):
     layer 1's along 0: the layers' masses pick thoughts 2 and 0 (scope layer); summed (scope row) they tie, and the
     earlier thought wins."""
     eye = torch.eye(16)
-    oracle = load_script()
+    oracle = load_script("zoomr_oracle")
     for scope, want in (("layer", [[2], [0]]), ("row", [[0]])):
         opts = {"zoom_thoughts": "1", "vote_decay": "0", "zoom_margin": "0", "zoom_scope": scope, "detail": "host"}
         cache = get_method("zoomr", opts).make_cache(tiny)
