@@ -31,8 +31,17 @@ def thought_tokens(options, max_thought: int | None = None) -> int:
     return max(1, min(THOUGHT_TOKENS, max_thought or options.max_thought_tokens))
 
 
+def index_tokens(options, budget: Budget, zoom: int) -> float:
+    """zoomr's index of one thought, in `full`'s K and V bytes a token: a key and a length a KV head (the summary
+    index), or a low and a high a channel in the model's dtype (`zoom_index=bounds`, one token's K and V)."""
+    if not zoom:
+        return 0.0
+    d = budget.shape.head_dim
+    return 1.0 if getattr(options, "zoom_index", "summary") == "bounds" else (d + 1) / (2 * d)
+
+
 def device_tokens(budget: Budget, window: int, summaries: int, zoom: int, thought: int, max_thought: int,
-                  index: bool) -> float:
+                  index: float) -> float:
     """Peak device tokens (in `full`'s K and V bytes a token) of a thought cache with these options: the prompt,
     the tail (the window or an open thought of average length, whichever is longer, plus the quarter window it
     lags), the summaries of the thoughts before it, the zoomed thoughts' other tokens, and zoomr's index (a key
@@ -41,10 +50,7 @@ def device_tokens(budget: Budget, window: int, summaries: int, zoom: int, though
     tail = min(max(window, thought) + window // 4, max(t - p, 0))
     thoughts = max(t - p - tail, 0) / thought
     held = p + tail + summaries * thoughts + zoom * max(thought - summaries, 0)
-    if index:
-        d = budget.shape.head_dim
-        held += thoughts * (d + 1) / (2 * d)
-    return held
+    return held + thoughts * index
 
 
 def caps(options, fixed) -> list[int]:
@@ -59,7 +65,7 @@ def caps(options, fixed) -> list[int]:
 def solve(budget: Budget, allowance: float, options, summaries: int, zoom: int, fixed) -> dict | None:
     """The options (window, summary_tokens, zoom_thoughts when `zoom`, max_thought_tokens when capped) holding at
     most `allowance` device tokens, by the order of the module docstring; None when even the smallest do not fit."""
-    index = zoom > 0
+    index = index_tokens(options, budget, zoom)
     sizes = [summaries, max(1, summaries // 2), 2, 1] if "summary_tokens" not in fixed else [summaries]
     zooms = [zoom] + ([1] if zoom > 1 and "zoom_thoughts" not in fixed else []) if zoom else [0]
     steps = [(s, z, cap, TAIL_FLOOR) for cap in caps(options, fixed) for z in zooms
@@ -86,7 +92,7 @@ def held(budget: Budget, options, found: dict, zoom: int) -> float:
     """Device tokens of a found plan."""
     cap = found.get("max_thought_tokens", options.max_thought_tokens)
     return device_tokens(budget, found["window"], found["summary_tokens"], found.get("zoom_thoughts", 0),
-                         thought_tokens(options, cap), cap, zoom > 0)
+                         thought_tokens(options, cap), cap, index_tokens(options, budget, zoom))
 
 
 def _options(options, window: int, summaries: int, zoom: int, zooms: bool, cap: int) -> dict:
@@ -140,7 +146,7 @@ def _unreachable(options, budget: Budget, zoom: int, summaries: int, host: float
                 **(_detail_options(detail) if detail else {}),
                 **({"max_thought_tokens": cap} if cap != options.max_thought_tokens else {})}
     floor = device_tokens(budget, TAIL_MIN, 1, min(zoom, 1), thought_tokens(options, cap), cap,
-                          zoom > 0) / budget.tokens + host
+                          index_tokens(options, budget, zoom)) / budget.tokens + host
     how = "".join(f" {k}={v}" for k, v in _detail_options(detail).items()) if detail else ""
     how = f" with{how}" if how else ""
     return Plan({k: v for k, v in smallest.items() if k not in fixed}, floor,

@@ -31,7 +31,7 @@ import torch
 
 from kvzip.methods.base import KVCache
 from kvzip.methods.thoughts.finalize import finalize
-from kvzip.methods.thoughts.index import Ballot, ThoughtIndex, head_votes
+from kvzip.methods.thoughts.index import Ballot, BoundsIndex, ThoughtIndex, bound_votes, head_votes
 from kvzip.methods.thoughts.layer import ThoughtConfig, ThoughtLayer, ThoughtState
 from kvzip.methods.thoughts.rebuild import rebuild_rows
 from kvzip.methods.thoughts.segment import Row
@@ -101,7 +101,8 @@ class ThoughtCache(KVCache):
             self.next_voting = torch.zeros_like(self.voting)
             self.last_zoom = [[[] for _ in range(self.groups)] for _ in range(batch)]
             self.zoomed = [[set() for _ in range(self.groups)] for _ in range(batch)]
-            self.index = None if self.config.zoom is None else ThoughtIndex(batch)
+            zoom = self.config.zoom
+            self.index = None if zoom is None else (BoundsIndex if zoom.index == "bounds" else ThoughtIndex)(batch)
         elif q_len > 1:  # more input (a chat turn): the open thought ends, the new tokens are kept in full
             for b, row in enumerate(self.rows):
                 if row.take_input(past, q_len):
@@ -165,12 +166,19 @@ class ThoughtCache(KVCache):
             keys = keys[[layer.idx for layer in layers]]
         valid = torch.stack([layer.visible_thoughts(valid, self.rows) for layer in layers])  # (L, B, T)
         q = torch.stack([q.to(keys.device) for q in queries.values()])  # (L, B, Hq, d), with the index (a split model)
+        if self.config.zoom.index == "bounds":  # key ranges after RoPE: the query as it attended
+            self._tally(layers, bound_votes(q.float(), keys, valid, self.config.zoom.votes_per_head), valid)
+            return
         pos = layers[0].positions[:, -1]  # (B,) the newest token's position, the same in every layer
         content = torch.empty_like(q)
         for rope in {id(layer.rope): layer.rope for layer in layers}.values():
             at = [i for i, layer in enumerate(layers) if layer.rope is rope]
             content[at] = unrotate(q[at].transpose(1, 2), pos, rope).transpose(1, 2)  # (Lr, Hq, B, d) turned
-        top = head_votes(content.float(), keys, valid, self.config.zoom.votes_per_head)  # (L, B, Hq, k)
+        self._tally(layers, head_votes(content.float(), keys, valid, self.config.zoom.votes_per_head), valid)
+
+    def _tally(self, layers: list, top: torch.Tensor, valid: torch.Tensor) -> None:
+        """Each voting layer's heads' choices `top` (L, B, Hq, k) of the thoughts marked `valid` (L, B, T) into the
+        ballot: one group for the row, or one a layer."""
         hits = valid.gather(2, top.flatten(2)) & self.voting[None, :, None]  # only real thoughts, voting rows
         top, hits = top.flatten(2), hits.float()  # (L, B, Hq k): each layer's votes
         if self.groups == 1:  # one consensus over heads and layers

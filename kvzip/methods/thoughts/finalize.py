@@ -24,7 +24,8 @@ def finalize(layers: list[ThoughtLayer], config: ThoughtConfig, row: Row, b: int
     right-aligned and end with the tail, sorted, which holds every position from its start on, so in each layer the
     thought is a slice at the end of the row; layers that share a RoPE, a kind of attention and that slice do it in
     one batched pass. (A sliding-window layer may have dropped the thought's first tokens already: it works on what
-    it still has.) Returns every layer's index key (L, Hkv, d) in layer order when the cache zooms in, else None."""
+    it still has.) Returns every layer's index key (L, Hkv, d), or its key bounds (L, Hkv, 2d) with `index=bounds`,
+    in layer order when the cache zooms in, else None."""
     start = row.thoughts[t][0]
     groups: dict[tuple, list[ThoughtLayer]] = {}
     for layer in layers:
@@ -69,7 +70,10 @@ def finalize_group(config: ThoughtConfig, layers: list[ThoughtLayer], row: Row, 
         keep = pick_summary(keys[:, :, :n], None, config.summary_tokens, config.summary_pick)
     kept_pos = keep + first  # (L, r)
     index = None
-    if config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
+    if config.zoom is not None and config.zoom.index == "bounds":  # each channel's range over the thought's keys
+        own = keys[:, :, :n] if n else keys.new_zeros(len(layers), keys.shape[1], 1, keys.shape[3])
+        index = torch.cat([own.amin(2), own.amax(2)], -1)  # (L, Hkv, 2d), after the rotation as attention sees them
+    elif config.zoom is not None:  # the index key: the summary keys as k_proj wrote them, before the rotation
         kept = keys[torch.arange(len(layers), device=device)[:, None], :, keep].transpose(1, 2)  # (L, Hkv, r, d)
         index = unrotate(kept, kept_pos[:, None], rope).mean(2) if keep.shape[1] else keys.new_zeros(
             len(layers), keys.shape[1], keys.shape[3])  # (L, Hkv, d)

@@ -102,6 +102,59 @@ class ThoughtIndex:
             self.unit[:, :, :, :n], self.norm[:, :, :, :n] = old[0], old[1]
 
 
+class BoundsIndex:
+    """`zoom_index=bounds`: each thought's keys summed up per layer and KV head as the lowest and highest value of every
+    channel (after RoPE, as attention sees them), `keys()` (L, B, Hkv, T, 2d) lows then highs, in the model's dtype.
+    A query q's largest possible score against any key of the thought is sum_i max(q_i lo_i, q_i hi_i) (the bound
+    Quest scores pages by): a thought where some key answers the query scores high whatever its other keys hold,
+    where the mean of a few summary keys averages that key away."""
+
+    def __init__(self, batch: int):
+        self.count = [0] * batch
+        self.bounds = None  # (L, B, Hkv, room, 2d)
+
+    @property
+    def width(self) -> int:
+        return max(self.count)
+
+    def add(self, b: int, key: torch.Tensor) -> None:
+        """Row b's next thought's bounds of every layer (L, Hkv, 2d)."""
+        n = self.count[b]
+        if self.bounds is None or n == self.bounds.shape[3]:
+            layers, heads, d2 = key.shape
+            grown = key.new_zeros(layers, len(self.count), heads, n + max(ThoughtIndex.GROW, n // 4), d2)
+            if self.bounds is not None:
+                grown[:, :, :, :n] = self.bounds
+            self.bounds = grown
+        self.bounds[:, b, :, n] = key
+        self.count[b] = n + 1
+
+    def keys(self) -> torch.Tensor:
+        return self.bounds[:, :, :, : self.width]
+
+    def valid(self) -> torch.Tensor:
+        count = torch.tensor(self.count, device=self.bounds.device)
+        return torch.arange(self.width, device=count.device) < count[:, None]
+
+    def layer_bytes(self) -> int:
+        if self.bounds is None:
+            return 0
+        _, b, h, _, d2 = self.bounds.shape
+        return b * h * self.width * d2 * self.bounds.element_size()
+
+
+def bound_votes(query: torch.Tensor, bounds: torch.Tensor, valid: torch.Tensor, per_head: int) -> torch.Tensor:
+    """`head_votes` over key bounds (..., Hkv, T, 2d) (`BoundsIndex`): each query head's `per_head` thoughts with the
+    highest bound on its score, sum_i max(q_i lo_i, q_i hi_i), computed as q+ . hi + q- . lo."""
+    *lead, hq, d = query.shape
+    hkv, t = bounds.shape[-3], bounds.shape[-2]
+    grouped = query.reshape(*lead, hkv, hq // hkv, d)
+    lo, hi = bounds[..., :d].to(query.dtype), bounds[..., d:].to(query.dtype)
+    scores = grouped.clamp(min=0) @ hi.transpose(-1, -2) + grouped.clamp(max=0) @ lo.transpose(-1, -2)
+    scores = scores.reshape(*lead, hq, t).masked_fill(~valid[..., None, :], float("-inf"))
+    return ranked(scores)[..., : min(per_head, t)]
+
+
 def head_votes(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, per_head: int) -> torch.Tensor:
     """query (..., Hq, d) against index keys (..., Hkv, T, d) of the thoughts marked valid (..., T) -> each query
     head's `per_head` best thoughts (..., Hq, k), best first (k = per_head, or T when fewer). Leading dims are

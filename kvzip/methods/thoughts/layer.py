@@ -33,6 +33,7 @@ class Zoom:
     vote_decay: float
     margin: float = 0.0  # a thought in the zoom set counts its tally 1 + margin times (index.Ballot)
     scope: str = "row"  # "row": one zoom set for every layer of a row; "layer": each layer its own
+    index: str = "summary"  # "summary": the mean of the summary keys (ThoughtIndex); "bounds": key ranges (BoundsIndex)
 
 
 @dataclass(frozen=True)
