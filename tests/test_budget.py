@@ -34,9 +34,9 @@ def _text(tokenizer, n: int) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"][1 : n + 1]
 
 
-def _measure(tiny, tokenizer, dictionaries, name, fraction, length, tier="all"):
+def _measure(tiny, tokenizer, dictionaries, name, fraction, length, tier="all", options=None):
     budget = Budget(fraction, len(PROMPT), length, Shape.of(tiny), tier)
-    p = plan(name, budget)
+    p = plan(name, budget, options or {})
     method = get_method(name, p.options)
     cache = method.make_cache(tiny, dictionaries if method.needs_dictionary else None)
     run = evaluate.teacher_forced(tiny, tokenizer, cache, [PROMPT], [_text(tokenizer, length)])
@@ -67,6 +67,15 @@ def test_zoomr_on_the_device_tier(tiny, tokenizer):
     for length in LENGTHS:
         p, measured = _measure(tiny, tokenizer, None, "zoomr", 0.5, length, tier="device")
         assert not p.note and abs(measured / 0.5 - 1) <= TOLERANCE, (length, p, measured)
+
+
+@pytest.mark.parametrize("index", ["summary", "bounds"])
+def test_zoomr_on_the_device_tier_with_either_index(tiny, tokenizer, index):
+    """The plan counts zoomr's index as it is stored: the summary index's fp32 keys or the bounds' low and high a
+    channel (a token's K and V a thought); both land on the device budget."""
+    p, measured = _measure(tiny, tokenizer, None, "zoomr", 0.5, LENGTHS[-1], "device", {"zoom_index": index})
+    assert p.options["zoom_index"] == index
+    assert not p.note and abs(measured / 0.5 - 1) <= TOLERANCE, (index, p, measured)
 
 
 def test_a_budget_the_method_cannot_reach_is_noted():

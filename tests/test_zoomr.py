@@ -332,6 +332,8 @@ def test_options_are_validated():
     assert get_method("zoomr", {"summary_source": "generated"}).summary_source == "generated"
     with pytest.raises(UserError, match="zoom_scope='head' is not allowed; use one of: row, layer"):
         get_method("zoomr", {"zoom_scope": "head"})
+    with pytest.raises(UserError, match="zoom_index='max' is not allowed; use one of: summary, bounds"):
+        get_method("zoomr", {"zoom_index": "max"})
     with pytest.raises(UserError, match="summary_pick='attention' is not allowed; use one of: norm, novel"):
         get_method("zoomr", {"summary_pick": "attention"})
     with pytest.raises(UserError, match="select_at='sentence' is not allowed; use one of: token, thought"):
