@@ -54,7 +54,8 @@ def test_bounds_index_zooms_in_through_the_cache(tiny, tokenizer):
     from kvzip.bench.recall import forced_decode
 
     text = "".join(f"thought number {i} says hi.\n\n" for i in range(8)) + "end"
-    opts = {"window": "8", "summary_tokens": "2", "min_thought_tokens": "4", "zoom_index": "bounds", "zoom_thoughts": "1"}
+    opts = {"window": "8", "summary_tokens": "2", "min_thought_tokens": "4", "zoom_index": "bounds",
+            "zoom_thoughts": "1"}
     cache = get_method("zoomr", opts).make_cache(tiny)
     forced_decode(tiny, tokenizer, cache, [tokenizer("p")["input_ids"]], [tokenizer(text)["input_ids"][1:]])
     assert isinstance(cache.index, BoundsIndex) and cache.index.width == 8

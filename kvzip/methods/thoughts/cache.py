@@ -31,7 +31,7 @@ import torch
 
 from kvzip.methods.base import KVCache
 from kvzip.methods.thoughts.finalize import finalize
-from kvzip.methods.thoughts.index import Ballot, BoundsIndex, ThoughtIndex, bound_votes, head_votes
+from kvzip.methods.thoughts.index import Ballot, BoundsIndex, RowIndex, ThoughtIndex, bound_votes, head_votes
 from kvzip.methods.thoughts.layer import ThoughtConfig, ThoughtLayer, ThoughtState
 from kvzip.methods.thoughts.rebuild import rebuild_rows
 from kvzip.methods.thoughts.segment import Row
@@ -65,7 +65,7 @@ class ThoughtCache(KVCache):
         self.zoomed: list[list[set[int]]] = []  # per row and zoom group, the set its buffers were last gathered for
         self.overhead_s, self.steps, self.rebuilds = 0.0, 0, 0
         self.last_zoom: list[list[list[int]]] = []
-        self.index: ThoughtIndex | None = None  # every layer's index keys over the finished thoughts (zoom only)
+        self.index: RowIndex | None = None  # every layer's index over the finished thoughts (zoom only)
 
     def reset(self):
         self._fresh()

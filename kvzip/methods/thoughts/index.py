@@ -29,7 +29,31 @@ def ranked(scores: torch.Tensor) -> torch.Tensor:
 NORM_EPS = 1e-12  # as torch.nn.functional.normalize's: a key at the mean (a lone thought) centres to zero
 
 
-class ThoughtIndex:
+class RowIndex:
+    """What zoomr's indexes share: each row's count of finished thoughts, rows padded to the most (`width`), which
+    entries are real (`valid`), and how much room a growth adds (`room`). Each index gives its `keys()`
+    (L, B, Hkv, T, ...)."""
+
+    GROW = 8  # thoughts of room at least per growth (or a quarter more)
+
+    def __init__(self, batch: int):
+        self.count = [0] * batch  # per row, its finished thoughts
+
+    @property
+    def width(self) -> int:
+        return max(self.count)
+
+    def valid(self) -> torch.Tensor:
+        """(B, T): which of `keys()` are real thoughts."""
+        count = torch.tensor(self.count, device=self.keys().device)
+        return torch.arange(self.width, device=count.device) < count[:, None]
+
+    def room(self, n: int) -> int:
+        """Thoughts of room after a growth at `n` thoughts."""
+        return n + max(self.GROW, n // 4)
+
+
+class ThoughtIndex(RowIndex):
     """Every layer's index keys over every row's finished thoughts, centred and made unit length as the votes read
     them: `keys()` (L, B, Hkv, T, d), rows padded to the most thoughts, `valid()` (B, T).
 
@@ -45,15 +69,9 @@ class ThoughtIndex:
     zoomr rows). Every update touches its own row only, so a row scores the same in a batch as alone.
     """
 
-    GROW = 8  # thoughts of room at least per growth (or a quarter more)
-
     def __init__(self, batch: int):
-        self.count = [0] * batch  # per row, its finished thoughts
+        super().__init__(batch)
         self.unit = self.mean = self.norm = None  # (L, B, Hkv, room, d), (L, B, Hkv, d), (L, B, Hkv, room)
-
-    @property
-    def width(self) -> int:
-        return max(self.count)
 
     def add(self, b: int, key: torch.Tensor) -> None:
         """Row b's next thought's index key of every layer (L, Hkv, d); the row's keys are centred again."""
@@ -78,11 +96,6 @@ class ThoughtIndex:
         """The centred unit keys (L, B, Hkv, T, d), T the most thoughts of any row (a view)."""
         return self.unit[:, :, :, : self.width]
 
-    def valid(self) -> torch.Tensor:
-        """(B, T): which of `keys()` are real thoughts."""
-        count = torch.tensor(self.count, device=self.unit.device)
-        return torch.arange(self.width, device=count.device) < count[:, None]
-
     def layer_bytes(self) -> int:
         """One layer's share of the index: its keys, lengths and means for the thoughts held (not the spare room)."""
         if self.unit is None:
@@ -92,7 +105,7 @@ class ThoughtIndex:
 
     def _grow(self, like: torch.Tensor, n: int) -> None:
         layers, heads, d = like.shape
-        room = n + max(self.GROW, n // 4)
+        room = self.room(n)
         old = (self.unit, self.norm)
         self.unit = like.new_zeros(layers, len(self.count), heads, room, d)
         self.norm = like.new_zeros(layers, len(self.count), heads, room)
@@ -102,7 +115,7 @@ class ThoughtIndex:
             self.unit[:, :, :, :n], self.norm[:, :, :, :n] = old[0], old[1]
 
 
-class BoundsIndex:
+class BoundsIndex(RowIndex):
     """`zoom_index=bounds`: each thought's keys summed up per layer and KV head as the lowest and highest value of every
     channel (after RoPE, as attention sees them), `keys()` (L, B, Hkv, T, 2d) lows then highs, in the model's dtype.
     A query q's largest possible score against any key of the thought is sum_i max(q_i lo_i, q_i hi_i) (the bound
@@ -110,19 +123,15 @@ class BoundsIndex:
     where the mean of a few summary keys averages that key away."""
 
     def __init__(self, batch: int):
-        self.count = [0] * batch
+        super().__init__(batch)
         self.bounds = None  # (L, B, Hkv, room, 2d)
-
-    @property
-    def width(self) -> int:
-        return max(self.count)
 
     def add(self, b: int, key: torch.Tensor) -> None:
         """Row b's next thought's bounds of every layer (L, Hkv, 2d)."""
         n = self.count[b]
         if self.bounds is None or n == self.bounds.shape[3]:
             layers, heads, d2 = key.shape
-            grown = key.new_zeros(layers, len(self.count), heads, n + max(ThoughtIndex.GROW, n // 4), d2)
+            grown = key.new_zeros(layers, len(self.count), heads, self.room(n), d2)
             if self.bounds is not None:
                 grown[:, :, :, :n] = self.bounds
             self.bounds = grown
@@ -130,13 +139,11 @@ class BoundsIndex:
         self.count[b] = n + 1
 
     def keys(self) -> torch.Tensor:
+        """The lows then highs (L, B, Hkv, T, 2d), T the most thoughts of any row (a view)."""
         return self.bounds[:, :, :, : self.width]
 
-    def valid(self) -> torch.Tensor:
-        count = torch.tensor(self.count, device=self.bounds.device)
-        return torch.arange(self.width, device=count.device) < count[:, None]
-
     def layer_bytes(self) -> int:
+        """One layer's share of the index: the bounds of the thoughts held (not the spare room)."""
         if self.bounds is None:
             return 0
         _, b, h, _, d2 = self.bounds.shape

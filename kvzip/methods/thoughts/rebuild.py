@@ -13,7 +13,7 @@ import torch
 
 from kvzip.methods.thoughts.detail import load_layers
 from kvzip.methods.thoughts.layer import ThoughtLayer
-from kvzip.methods.thoughts.segment import Row
+from kvzip.methods.thoughts.segment import Row, group_of
 from kvzip.rope import visible_from
 
 
@@ -21,9 +21,9 @@ def rebuild_rows(all_layers: list[ThoughtLayer], rows: list[Row], moved: list[in
                  tail_start: list[int], zoomed: list[list[set[int]]]) -> None:
     """Rebuild the active context of the rows (of `rows`) whose zoom set or tail moved, in every layer at once,
     before the forward that brings the last `q_len` of `seen` tokens. `tail_start` is each row's tail's first position
-    and `zoomed` the zoom sets (one, or one a layer) its buffers were last gathered for. Layers of one kind of attention are planned together
-    (`plan_row`); only the gathers and writes are per layer. Positions a sliding-window layer's queries can no longer
-    see are left out."""
+    and `zoomed` the zoom sets (one, or one a layer) its buffers were last gathered for. Layers of one kind of
+    attention are planned together (`plan_row`); only the gathers and writes are per layer. Positions a sliding-window
+    layer's queries can no longer see are left out."""
     groups: dict = {}
     for layer in all_layers:
         if layer.is_initialized:  # (all are, after the first forward)
@@ -38,27 +38,44 @@ def rebuild_rows(all_layers: list[ThoughtLayer], rows: list[Row], moved: list[in
             write_rows(layer, {b: plan[i] for b, plan in plans.items()})
 
 
+def mark(ranges: list[tuple[int, int]], seen: int, device) -> torch.Tensor:
+    """(seen + 1,) each position's index among the tokens of `ranges` [start, end) taken in order, -1 elsewhere."""
+    at = torch.full((seen + 1,), -1, dtype=torch.long, device=device)
+    offset = 0
+    for s, e in ranges:
+        at[s:e] = torch.arange(offset, offset + e - s, device=device)
+        offset += e - s
+    return at
+
+
+def by_set(sets: list[list[int]], build) -> torch.Tensor:
+    """One row a layer, `build(set)` stacked for each layer's set; built once a distinct set (under zoom_scope=row
+    every layer has the same one)."""
+    built: dict[tuple, torch.Tensor] = {}
+    for z in sets:
+        if tuple(z) not in built:
+            built[tuple(z)] = build(z)
+    return torch.stack([built[tuple(z)] for z in sets])
+
+
 def plan_row(layers: list[ThoughtLayer], row: Row, b: int, cut: int, seen: int, tail_start: int,
              zoomed: list[set[int]]) -> list[tuple]:
     """Row b's active context in each of `layers`: the kept prompt, the tail, the layer's summaries and its zoomed
-    thoughts (`Row.zoom_of`), none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and V (Hkv, m, d) and where they
-    go, or None), sources indexing the layer's current row followed by the loaded tokens. Order: on a full-attention
-    layer the zoomed thoughts' other tokens (neither summary nor tail) come first, then everything else by position
-    (attention does not care about order; the tail stays last and sorted). A sliding-window layer keeps the whole
-    row by position: it drops what leaves its window from the front. A thought zoomed at the row's last gather is
-    whole in the buffer still; only newly zoomed ones are loaded, and of those only what a layer does not hold (its
-    own summary tokens it does). All of it is planned as masks over positions (L, seen + 1; the last column takes
-    what pads a shorter layer), one read back for the counts."""
+    thoughts (`Row.zoom_of`), none before `cut`. Per layer: (positions (n,), sources (n,), loaded K and V (Hkv, m, d)
+    and where they go, or None), sources indexing the layer's current row followed by the loaded tokens. Order: on a
+    full-attention layer the zoomed thoughts' other tokens (neither summary nor tail) come first, then everything else
+    by position (attention does not care about order; the tail stays last and sorted). A sliding-window layer keeps
+    the whole row by position: it drops what leaves its window from the front. A thought zoomed at the row's last
+    gather is whole in the buffer still; only newly zoomed ones are loaded, and of those only what a layer does not
+    hold (its own summary tokens it does). All of it is planned as masks over positions (L, seen + 1; the last column
+    takes what pads a shorter layer), one read back for the counts."""
     pad = torch.nn.utils.rnn.pad_sequence
     device, count = layers[0].device, len(layers)
     base = torch.zeros(seen + 1, dtype=torch.bool, device=device)
     for s, e in row.keep + [(tail_start, seen)]:
         base[s:e] = True
     zooms = [row.zoom_of(layer.idx) for layer in layers]  # each layer's zoom set (one shared, or its own)
-    zoom = torch.zeros(count, seen + 1, dtype=torch.bool, device=device)
-    for i, z in enumerate(zooms):
-        for t in z:
-            zoom[i, slice(*row.thoughts[t])] = True
+    zoom = by_set(zooms, lambda ts: mark([row.thoughts[t] for t in ts], seen, device) >= 0)  # (L, seen + 1)
     summaries = torch.zeros(count, seen + 1, dtype=torch.bool, device=device).scatter_(
         1, pad([layer.summary_all[b] for layer in layers], batch_first=True, padding_value=seen), True)
     wanted = base | summaries | zoom
@@ -74,19 +91,11 @@ def plan_row(layers: list[ThoughtLayer], row: Row, b: int, cut: int, seen: int, 
     slot = torch.zeros_like(wanted, dtype=torch.long).scatter_(
         1, at, torch.arange(at.shape[1], device=device).expand_as(at))  # position -> its slot in the row
     keep = wanted & held
-    news = [[t for t in z if t not in zoomed[layer.idx if len(zoomed) > 1 else 0]] for z, layer in zip(zooms, layers)]
+    news = [[t for t in z if t not in group_of(zoomed, layer.idx)] for z, layer in zip(zooms, layers)]
     new = any(news)
-    if new:
-        fresh = torch.zeros(count, seen + 1, dtype=torch.bool, device=device)
-        loaded_at = torch.zeros(count, seen + 1, dtype=torch.long, device=device)  # position -> index among loaded
-        for i, ts in enumerate(news):
-            offset = 0
-            for t in ts:
-                s, e = row.thoughts[t]
-                fresh[i, s:e] = True
-                loaded_at[i, s:e] = torch.arange(offset, offset + e - s, device=device)
-                offset += e - s
-        load = wanted & ~held & fresh
+    if new:  # position -> its index among the layer's loaded tokens, -1 where nothing is loaded
+        loaded_at = by_set(news, lambda ts: mark([row.thoughts[t] for t in ts], seen, device))
+        load = wanted & ~held & (loaded_at >= 0)
         keep = keep | load
     widths = torch.tensor([layer.positions.shape[1] for layer in layers], device=device)
     kept = keep.sum(1)  # per layer

@@ -43,6 +43,11 @@ class Segmentation:
         return max(map(len, self.strings), default=1)
 
 
+def group_of(sets: list, layer: int):
+    """Layer `layer`'s entry of per-zoom-group `sets`: its own where there is one a layer, else the one shared."""
+    return sets[layer if len(sets) > 1 else 0]
+
+
 class Row:
     """One batch row's segmentation: prompt ranges, finished thoughts, the open thought, the zoom set."""
 
@@ -58,7 +63,7 @@ class Row:
 
     def zoom_of(self, layer: int) -> list[int]:
         """The thoughts layer `layer` is zoomed in on: its own group's set, or the one set every layer shares."""
-        return self.zoom[layer if len(self.zoom) > 1 else 0]
+        return group_of(self.zoom, layer)
 
     def feed(self, rule: Segmentation, pos: int, text: str, token: int) -> bool:
         """The token at `pos` (decoded `text`) joins the open thought. True when it ends the thought: the thought is
