@@ -10,16 +10,27 @@ gap, and the layout is what stops zoomr.
 Run with `vote_decay=0,zoom_margin=0` so that only this step's attention chooses. Default model only (no
 sliding-window layers: a model that has them is refused). A research tool: slow (every step reads every thought).
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/zoomr_oracle.py bench --budgets 0.25 --budget-tier device \\
+`--shortlist M` before the command reads the real attention over M thoughts only: zoomr's own votes over its summary
+index (per layer under `zoom_scope=layer`) name each group's M most-voted thoughts, and the attention mass over those
+thoughts' detail keys alone chooses among them. It measures a zoomr that rereads the details of a short list, the
+summary index finding candidates and the details ranking them: how much of the oracle's gain a practical reread keeps.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/zoomr_oracle.py [--shortlist 8] bench --budgets 0.25 --budget-tier device \\
         --workloads output --output-tokens 2048 --rows 4 --methods full \\
         --method-set zoomr:vote_decay=0,zoom_margin=0 --dtype bfloat16 --json /tmp/oracle.json
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kvzip.methods.thoughts import cache as thought_cache
+from kvzip.methods.thoughts.index import ranked
+
+summary_votes = thought_cache.ThoughtCache.cast_votes
+SHORTLIST: int | None = None  # --shortlist M: the attention reread over each group's M most-voted thoughts only
 
 
 class Seen:
@@ -49,6 +60,7 @@ def oracle_votes(self, queries: dict[int, torch.Tensor]) -> None:
     if width == 0:
         return
     groups = self.ballot.groups
+    keep = shortlist(self, queries, width) if SHORTLIST else None  # (G, B, T): the thoughts the reread may choose
     votes = torch.zeros(groups, len(self.rows), width)
     for i, q in queries.items():
         layer = self.layers[i]
@@ -60,12 +72,31 @@ def oracle_votes(self, queries: dict[int, torch.Tensor]) -> None:
             seen.extend(layer, b, len(row.thoughts))
             grouped = q[b].float().view(layer.kv_heads, hq // layer.kv_heads, d)
             logits = grouped @ seen.keys.transpose(-1, -2) / d**0.5  # (Hkv, g, N)
+            if keep is not None:  # attention over the short list's keys only, as a reread of those details would see
+                logits = logits.masked_fill(~keep[0 if groups == 1 else i, b, seen.ids], float("-inf"))
             mass = logits.softmax(-1).reshape(hq, -1).sum(0)  # (N,) over the heads
-            votes[0 if groups == 1 else i, b].index_add_(0, seen.ids, mass)
+            votes[0 if groups == 1 else i, b].index_add_(0, seen.ids, mass.nan_to_num())
     self.ballot.add(torch.arange(width).expand(groups, len(self.rows), width), votes, width)
 
 
+def shortlist(self, queries: dict[int, torch.Tensor], width: int) -> torch.Tensor:
+    """zoomr's own votes over its index, closed into a (G, B, T) mask of each group's SHORTLIST most-voted thoughts;
+    the ballot is left as it was."""
+    before, self.ballot.votes = self.ballot.votes, None
+    summary_votes(self, queries)
+    tally, self.ballot.votes = self.ballot.votes, before
+    keep = torch.zeros(self.ballot.groups, len(self.rows), width, dtype=torch.bool)
+    if tally is None:
+        return keep
+    tally = tally[..., :width].cpu()
+    top = ranked(tally)[..., :SHORTLIST]
+    return keep.scatter_(2, top, tally.gather(2, top) > 0)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--shortlist"]:
+        SHORTLIST = int(sys.argv[2])
+        del sys.argv[1:3]
     thought_cache.ThoughtCache.cast_votes = oracle_votes
     from kvzip.cli import main
 
