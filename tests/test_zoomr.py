@@ -311,10 +311,11 @@ def test_tails_move_together_every_quarter_window_of_decode_steps(tiny, tokenize
     assert len(decoding) >= 10 and all(step % 2 == 0 for step in decoding)
 
 
-@pytest.mark.parametrize("name", ["zoomr", "sumr", "h2o", "zoomr-thought", "sumr-novel", "zoomr-layer"])
+@pytest.mark.parametrize("name", ["zoomr", "sumr", "h2o", "zoomr-thought", "sumr-novel", "zoomr-layer", "zoomr-reread"])
 def test_left_padded_batch_matches_rows_one_by_one(tiny, tokenizer, name):
     opts = {"h2o": {"heavy": "6", "window": "6"}, "sumr-novel": {**SMALL, "summary_pick": "novel"},
             "zoomr-layer": {**SMALL, "zoom_scope": "layer"},
+            "zoomr-reread": {**SMALL, "zoom_scope": "layer", "zoom_reread": "3"},
             "zoomr-thought": {**SMALL, "summary_pick": "norm", "select_at": "thought", "vote_decay": "0"}}
     opts = opts.get(name, SMALL)
     method = get_method(name.split("-")[0], opts)

@@ -63,3 +63,40 @@ def test_bounds_index_zooms_in_through_the_cache(tiny, tokenizer):
     layers = sum(layer.is_initialized for layer in cache.layers)
     assert cache.memory()["device"] == sum(layer.memory()["device"] for layer in cache.layers) + \
         cache.index.layer_bytes() * layers
+
+
+def test_reread_chooses_among_the_summary_votes_short_list_by_the_keys():
+    """Three thoughts of 4 tokens, thought t's keys along direction t; the summary votes rank thoughts 1, 2, 0 in both
+    layers, and a reread of 2 reads thoughts 1 and 2. Layer 0's query points along 2: the reread moves the choice
+    from 1 to 2. Layer 1's query points along 0: thought 0 is off the short list and gets nothing."""
+    from kvzip.methods.thoughts.detail import DenseDetail
+    from kvzip.methods.thoughts.reread import reread_votes
+
+    eye = torch.eye(16)
+
+    class Layer:
+        kv_heads, detail_store = 2, DenseDetail()
+        detail = [[DenseDetail().store(20 * eye[t].expand(2, 4, 16), torch.zeros(2, 4, 16)) for t in range(3)]]
+
+    votes = torch.tensor([0.0, 3.0, 2.0]).expand(2, 1, 3)  # (G = 2 layers, B, T)
+    masses = reread_votes([Layer(), Layer()], {0: eye[2].expand(1, 4, 16), 1: eye[0].expand(1, 4, 16)}, votes,
+                          [True], 2)
+    assert masses[0, 0].argmax() == 2 and masses[0, 0, 0] == 0 and masses[0, 0].sum().round() == 4
+    assert masses[1, 0, 0] == 0 and masses[1, 0, 1] == masses[1, 0, 2] == 2  # four heads' mass split evenly
+    assert reread_votes([Layer(), Layer()], {0: eye[2].expand(1, 4, 16), 1: eye[0].expand(1, 4, 16)}, votes,
+                        [False], 2).sum() == 0  # a row that cast no vote gets none
+
+
+def test_reread_zooms_in_through_the_cache(tiny, tokenizer):
+    """zoomr with zoom_reread decodes, votes and zooms in on the tiny model under either scope."""
+    from kvzip.bench.recall import forced_decode
+
+    text = "".join(f"thought number {i} says hi.\n\n" for i in range(8)) + "end"
+    for scope in ("row", "layer"):
+        opts = {"window": "8", "summary_tokens": "2", "min_thought_tokens": "4", "zoom_reread": "3",
+                "zoom_thoughts": "1", "zoom_scope": scope}
+        cache = get_method("zoomr", opts).make_cache(tiny)
+        forced_decode(tiny, tokenizer, cache, [tokenizer("p")["input_ids"]], [tokenizer(text)["input_ids"][1:]])
+        zoomed = cache.stats()["zoomed_thoughts"][0]  # the row's zoom set, or each layer's under scope layer
+        assert cache.stats()["selections"] > 0
+        assert len(zoomed) == 1 if scope == "row" else all(len(z) == 1 for z in zoomed) and len(zoomed) > 1

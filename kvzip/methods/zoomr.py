@@ -87,6 +87,7 @@ class ZoomR(ThoughtOptions):
     zoom_margin: float = 0.25
     zoom_scope: str = "row"  # row: one consensus over every layer's heads (the paper); layer: each layer its own
     zoom_index: str = "summary"  # summary: the mean of the summary keys (the paper); bounds: each thought's key ranges
+    zoom_reread: int = 0  # > 0: the votes' top M thoughts are chosen among by their detail keys' attention mass
     detail: str = "int8"
     detail_sparsity: int = 0  # atoms a detail vector with detail=fadkv; 0: as the dictionary was trained
 
@@ -97,6 +98,8 @@ class ZoomR(ThoughtOptions):
         check_choice("zoom_scope", self.zoom_scope, ZOOM_SCOPES)
         check_choice("zoom_index", self.zoom_index, ZOOM_INDEXES)
         check_positive(votes_per_head=self.votes_per_head, zoom_thoughts=self.zoom_thoughts)
+        if self.zoom_reread < 0:
+            raise ValueError(f"zoom_reread must be >= 0 (0: no reread), got {self.zoom_reread}")
         if self.detail_sparsity < 0:
             raise ValueError(f"detail_sparsity must be >= 0 (0: the dictionary's sparsity), got {self.detail_sparsity}")
         if self.detail_sparsity and self.detail != "fadkv":
@@ -145,5 +148,5 @@ class ZoomR(ThoughtOptions):
             detail = [CodedDetail(atoms, sparsity, kv_heads)  # each layer codes with atoms on its own device
                       for atoms in prepare_for_devices(dictionaries, layer_devices(model))]
         zoom = Zoom(self.votes_per_head, self.zoom_thoughts, self.select_at, self.vote_decay, self.zoom_margin,
-                    self.zoom_scope, self.zoom_index)
+                    self.zoom_scope, self.zoom_index, self.zoom_reread)
         return ThoughtCache(self, self.thought_config(zoom, detail), ropes, windows)

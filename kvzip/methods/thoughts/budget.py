@@ -5,8 +5,10 @@ open thought, moved a quarter window at a time), `summary_tokens` per finished t
 thought, layer and KV head) and zoomr's `zoom_thoughts` zoomed thoughts. Its host tier (zoomr) holds every finished
 thought's detail in the detail format. How many thoughts a text makes is known only after the run: the estimate is
 `THOUGHT_TOKENS` tokens a thought (the default segmentation cut results-2's 8,064-token evaluation text into ~123
-thoughts, ~65 tokens each), or `max_thought_tokens` when that is smaller. The bench measures what the cells really
-hold and marks those that miss.
+thoughts, ~65 tokens each), or 7/8 of `max_thought_tokens` when that is smaller: boundaries cut some thoughts
+before the cap (32-token caps made 28-token thoughts on the frontier's 2,048-token rows, 71 a row, and a plan that
+assumed 32 held 0.280 of `full`'s device bytes at a budget of 0.25). The bench measures what the cells really hold
+and marks those that miss.
 
 The parts shrink in this order as F falls: the tail down to 32 tokens, then the summaries (half, then 2, then 1 a
 thought), then zoomr's zoom count (down to 1), then the longest thought (`max_thought_tokens` 64, then 32: an open
@@ -28,7 +30,7 @@ TAIL_FLOOR, TAIL_MIN = 32, 16
 
 
 def thought_tokens(options, max_thought: int | None = None) -> int:
-    return max(1, min(THOUGHT_TOKENS, max_thought or options.max_thought_tokens))
+    return max(1, min(THOUGHT_TOKENS, (max_thought or options.max_thought_tokens) * 7 // 8))
 
 
 def index_tokens(options, budget: Budget, zoom: int) -> float:

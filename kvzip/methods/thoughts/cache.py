@@ -34,6 +34,7 @@ from kvzip.methods.thoughts.finalize import finalize
 from kvzip.methods.thoughts.index import Ballot, BoundsIndex, RowIndex, ThoughtIndex, bound_votes, head_votes
 from kvzip.methods.thoughts.layer import ThoughtConfig, ThoughtLayer, ThoughtState
 from kvzip.methods.thoughts.rebuild import rebuild_rows
+from kvzip.methods.thoughts.reread import reread_votes
 from kvzip.methods.thoughts.segment import Row
 from kvzip.rope import unrotate
 
@@ -166,15 +167,19 @@ class ThoughtCache(KVCache):
             keys = keys[[layer.idx for layer in layers]]
         valid = torch.stack([layer.visible_thoughts(valid, self.rows) for layer in layers])  # (L, B, T)
         q = torch.stack([q.to(keys.device) for q in queries.values()])  # (L, B, Hq, d), with the index (a split model)
-        if self.config.zoom.index == "bounds":  # key ranges after RoPE: the query as it attended
-            self._tally(layers, bound_votes(q.float(), keys, valid, self.config.zoom.votes_per_head), valid)
-            return
-        pos = layers[0].positions[:, -1]  # (B,) the newest token's position, the same in every layer
-        content = torch.empty_like(q)
-        for rope in {id(layer.rope): layer.rope for layer in layers}.values():
-            at = [i for i, layer in enumerate(layers) if layer.rope is rope]
-            content[at] = unrotate(q[at].transpose(1, 2), pos, rope).transpose(1, 2)  # (Lr, Hq, B, d) turned
-        self._tally(layers, head_votes(content.float(), keys, valid, self.config.zoom.votes_per_head), valid)
+        zoom = self.config.zoom
+        if zoom.index == "bounds":  # key ranges after RoPE: the query as it attended
+            self._tally(layers, bound_votes(q.float(), keys, valid, zoom.votes_per_head), valid)
+        else:
+            pos = layers[0].positions[:, -1]  # (B,) the newest token's position, the same in every layer
+            content = torch.empty_like(q)
+            for rope in {id(layer.rope): layer.rope for layer in layers}.values():
+                at = [i for i, layer in enumerate(layers) if layer.rope is rope]
+                content[at] = unrotate(q[at].transpose(1, 2), pos, rope).transpose(1, 2)  # (Lr, Hq, B, d) turned
+            self._tally(layers, head_votes(content.float(), keys, valid, zoom.votes_per_head), valid)
+        if zoom.reread and self.ballot.votes is not None:  # the candidates' own keys choose among them
+            self.ballot.votes = reread_votes(self.layers, queries, self.ballot.votes, self.voting.tolist(),
+                                             zoom.reread)
 
     def _tally(self, layers: list, top: torch.Tensor, valid: torch.Tensor) -> None:
         """Each voting layer's heads' choices `top` (L, B, Hq, k) of the thoughts marked `valid` (L, B, T) into the

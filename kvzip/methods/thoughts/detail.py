@@ -83,6 +83,10 @@ class DenseDetail:
         (k,), (v,) = ([x.to(device, non_blocking=True) for x in part] for part in stored)
         return k, v
 
+    def load_keys(self, stored, device, dtype) -> torch.Tensor:
+        """The keys of a stored thought alone (zoomr's reread): K (Hkv, n, d) in `dtype`."""
+        return self.load(stored, device, dtype)[0]
+
 
 class Int8Detail(DenseDetail):
     """detail=int8: int8 codes with one fp16 scale per vector, as fadkv stores its coefficients
@@ -94,6 +98,10 @@ class Int8Detail(DenseDetail):
     def load(self, stored, device, dtype):
         (k, k_scale), (v, v_scale) = ([x.to(device, non_blocking=True) for x in part] for part in stored)
         return dequantize(k, k_scale).to(dtype), dequantize(v, v_scale).to(dtype)
+
+    def load_keys(self, stored, device, dtype):
+        k, k_scale = (x.to(device, non_blocking=True) for x in stored[0])
+        return dequantize(k, k_scale).to(dtype)
 
 
 class Int4Detail(DenseDetail):

@@ -34,6 +34,7 @@ class Zoom:
     margin: float = 0.0  # a thought in the zoom set counts its tally 1 + margin times (index.Ballot)
     scope: str = "row"  # "row": one zoom set for every layer of a row; "layer": each layer its own
     index: str = "summary"  # "summary": the mean of the summary keys (ThoughtIndex); "bounds": key ranges (BoundsIndex)
+    reread: int = 0  # > 0: the votes' top `reread` thoughts a group are chosen among by their keys (thoughts.reread)
 
 
 @dataclass(frozen=True)
