@@ -157,6 +157,29 @@ def test_rebuilt_values_equal_per_atom_sums(tiny_dictionaries, adapt, monkeypatc
                                atol=1e-4)
 
 
+def test_int4_coefficients_round_trip_two_a_byte():
+    """int4 stores each coefficient in a nibble, two a byte, against one fp16 scale a vector: the round trip is within
+    half a step (absmax / 7 / 2), a vector's largest coefficient is exact to fp16, zeros stay zero, and an odd
+    sparsity is refused."""
+    from kvzip.sparse import coded_attention as coded
+
+    coef = torch.randn(3, 5, 8)
+    coef[0, 0] = 0.0
+    stored, scale = coded.quantize(coef, "int4")
+    assert stored.dtype == torch.uint8 and stored.shape == (3, 5, 4) and scale.shape == (3, 5, 1)
+    back = coded.dequantize(stored, scale)
+    step = coef.abs().amax(-1, keepdim=True) / 7
+    assert ((back - coef).abs() <= step / 2 + 1e-3).all() and torch.equal(back[0, 0], torch.zeros(8))
+    top = coef.abs().argmax(-1, keepdim=True)
+    torch.testing.assert_close(back.gather(-1, top), coef.gather(-1, top), rtol=2e-3, atol=1e-6)
+    with pytest.raises(ValueError, match="must be even"):
+        coded.quantize(torch.randn(2, 3), "int4")
+    from kvzip.errors import UserError
+
+    with pytest.raises(UserError, match="must be even"):
+        get_method("fadkv", {"coef_format": "int4", "sparsity": "5"})
+
+
 def test_fp8_table_matches_cast():
     from kvzip.sparse import coded_attention as coded
 

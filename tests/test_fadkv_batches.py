@@ -41,7 +41,7 @@ def test_prerope_dictionary_through_generate_matches_dense_rebuild(tiny, tokeniz
         get_method("fadkv", {**SMALL, "keys": "post-rope"}).make_cache(tiny, prerope)
 
 
-@pytest.mark.parametrize("name, coef_format", [("fadkv", "int8"), ("fadkv", "fp8"), ("lexico", "int8")])
+@pytest.mark.parametrize("name, coef_format", [("fadkv", "int8"), ("fadkv", "fp8"), ("fadkv", "int4"), ("lexico", "int8")])
 def test_left_padded_row_decodes_like_the_row_alone(tiny, tokenizer, tiny_dictionaries, name, coef_format):
     """A left-padded batch row: the padding's zero keys code to all-zero coefficients (their 8-bit scale must not
     underflow to 0, or 0/0 is NaN) and its fully masked queries get zero weights; either NaN used to reach the whole

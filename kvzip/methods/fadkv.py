@@ -135,6 +135,8 @@ class Fadkv(Method):
             raise ValueError(f"value_sparsity must be >= 0 (0: the same as sparsity), got {self.value_sparsity}")
         check_positive(sparsity=self.sparsity, screen_pool=self.screen_pool, code_chunk=self.code_chunk,
                        max_new_atoms=self.max_new_atoms, adapt_threshold=self.adapt_threshold)
+        if self.coef_format == "int4" and (self.sparsity % 2 or self.value_sparsity % 2):
+            raise ValueError("coef_format=int4 packs two coefficients a byte: sparsity and value_sparsity must be even")
         if self.buffer < 0 or self.sinks < 0:
             raise ValueError("buffer and sinks must be >= 0")
 
@@ -151,14 +153,16 @@ class Fadkv(Method):
         # sparsity 4, 8%); the bench measures them and marks a cell they push past the tolerance.
 
         def code(s: int) -> float:  # bytes of one coded vector against full's
-            return (s * (2 + (2 if self.coef_format == "fp16" else 1)) + (0 if self.coef_format == "fp16" else 2)) \
-                / shape.vector_bytes
+            coef = {"fp16": 2, "int4": 0.5}.get(self.coef_format, 1)
+            return (s * (2 + coef) + (0 if self.coef_format == "fp16" else 2)) / shape.vector_bytes
 
         def expected(s: int, vs: int, buffer: int) -> float:
             held = min(self.sinks + buffer + self.code_chunk - 1, t)
             return (held * dense + (t - held) * (code(s) + code(vs)) / 2) / t
 
         sparsities = [self.sparsity] if "sparsity" in fixed else list(range(self.sparsity, 1, -1))
+        if self.coef_format == "int4":  # two coefficients a byte: even sparsities only
+            sparsities = [x for x in sparsities if x % 2 == 0] or sparsities
         for floor in (64, 16):
             for s in sparsities:
                 vs = self.value_sparsity if "value_sparsity" in fixed and self.value_sparsity else s

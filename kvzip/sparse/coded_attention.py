@@ -8,7 +8,8 @@ A coded token t of one KV head is `idx[t]` (s atom numbers) and `coef[t]` (s coe
 - Values: Σ_t w_t v_t = Σ_t w_t Σ_j coef[t,j] D[idx[t,j]] = (Σ over atoms of the weight each atom received) · D.
   Weights are scattered onto atoms (T·s adds) and multiplied by the value dictionary once (N·d).
 
-Coefficients are stored as fp16, or in 8 bits with one fp16 scale per vector (int8: absmax/127; fp8: e4m3, absmax/448).
+Coefficients are stored as fp16, or in 8 bits with one fp16 scale per vector (int8: absmax/127; fp8: e4m3, absmax/448),
+or in 4 bits two to a byte with one fp16 scale per vector (int4: absmax/7, the low nibble first; an even sparsity).
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import torch
 
 from kvzip.sparse.omp import reconstruct
 
-COEF_FORMATS = ("fp16", "int8", "fp8")
+COEF_FORMATS = ("fp16", "int8", "fp8", "int4")
+INT4_MAX = 7  # int4 codes run -7..7, stored with 8 added (1..15) so that a byte holds two without sign bits
 INT8_MAX = 127  # the largest int8 magnitude both signs reach: a vector's largest coefficient is stored as +-127
 FP8_MAX = 448  # the largest finite float8 e4m3 value: a vector's largest coefficient is stored as +-448
 FP16_TINY = 2.0 ** -24  # the smallest positive fp16 (subnormal): a scale rounded to fp16 never becomes 0
 
 
 def quantize(coef: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """coef (..., s) float -> (stored (..., s), scale (..., 1) fp16 or None)."""
+    """coef (..., s) float -> (stored (..., s), or (..., s / 2) uint8 for int4; scale (..., 1) fp16 or None)."""
     if fmt == "fp16":
         return coef.half(), None
     amax = coef.abs().amax(-1, keepdim=True).float()  # (..., 1)
@@ -34,6 +36,12 @@ def quantize(coef: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor |
     if fmt == "fp8":
         scale = _half_scale(amax / FP8_MAX)
         return (coef.float() / scale.float()).to(torch.float8_e4m3fn), scale
+    if fmt == "int4":
+        if coef.shape[-1] % 2:
+            raise ValueError(f"int4 coefficients pack two a byte: the sparsity must be even, got {coef.shape[-1]}")
+        scale = _half_scale(amax / INT4_MAX)
+        q = ((coef.float() / scale.float()).round().clamp(-INT4_MAX, INT4_MAX) + 8).to(torch.uint8)
+        return q[..., 0::2] | (q[..., 1::2] << 4), scale
     raise ValueError(f"coefficient format {fmt!r} is not one of {', '.join(COEF_FORMATS)}")
 
 
@@ -46,6 +54,8 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype=torch.flo
     if stored.dtype == torch.float8_e4m3fn:  # a 256-entry table: exact, and ~6x faster than torch's CPU fp8 cast
         table = _fp8_table(stored.device, dtype)
         out = table.index_select(0, stored.reshape(-1).view(torch.uint8).int()).view(stored.shape)
+    elif stored.dtype == torch.uint8:  # int4, two a byte
+        out = torch.stack([stored & 15, stored >> 4], -1).flatten(-2).to(dtype) - 8
     else:
         out = stored.to(dtype)
     return out if scale is None else out * scale.to(dtype)
