@@ -15,8 +15,8 @@ index (per layer under `zoom_scope=layer`) name each group's M most-voted though
 thoughts' detail keys alone chooses among them. It measures a zoomr that rereads the details of a short list, the
 summary index finding candidates and the details ranking them: how much of the oracle's gain a practical reread keeps.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/zoomr_oracle.py [--shortlist 8] bench --budgets 0.25 --budget-tier device \\
-        --workloads output --output-tokens 2048 --rows 4 --methods full \\
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/zoomr_oracle.py [--shortlist 8] bench --budgets 0.25 \\
+        --budget-tier device --workloads output --output-tokens 2048 --rows 4 --methods full \\
         --method-set zoomr:vote_decay=0,zoom_margin=0 --dtype bfloat16 --json /tmp/oracle.json
 """
 
@@ -27,7 +27,7 @@ import sys
 import torch
 
 from kvzip.methods.thoughts import cache as thought_cache
-from kvzip.methods.thoughts.index import ranked
+from kvzip.methods.thoughts.reread import shortlist as short_list
 
 summary_votes = thought_cache.ThoughtCache.cast_votes
 SHORTLIST: int | None = None  # --shortlist M: the attention reread over each group's M most-voted thoughts only
@@ -88,9 +88,10 @@ def shortlist(self, queries: dict[int, torch.Tensor], width: int) -> torch.Tenso
     keep = torch.zeros(self.ballot.groups, len(self.rows), width, dtype=torch.bool)
     if tally is None:
         return keep
-    tally = tally[..., :width].cpu()
-    top = ranked(tally)[..., :SHORTLIST]
-    return keep.scatter_(2, top, tally.gather(2, top) > 0)
+    for g, rows in enumerate(short_list(tally[..., :width].cpu(), SHORTLIST)):
+        for b, thoughts in enumerate(rows):
+            keep[g, b, thoughts] = True
+    return keep
 
 
 if __name__ == "__main__":

@@ -41,8 +41,18 @@ def quantize(coef: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor |
             raise ValueError(f"int4 coefficients pack two a byte: the sparsity must be even, got {coef.shape[-1]}")
         scale = _half_scale(amax / INT4_MAX)
         q = ((coef.float() / scale.float()).round().clamp(-INT4_MAX, INT4_MAX) + 8).to(torch.uint8)
-        return q[..., 0::2] | (q[..., 1::2] << 4), scale
+        return pack_nibbles(q), scale
     raise ValueError(f"coefficient format {fmt!r} is not one of {', '.join(COEF_FORMATS)}")
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Four-bit codes (..., c) uint8, c even -> two a byte (..., c / 2), the low nibble first."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_nibbles` undone: (..., c / 2) uint8 -> (..., c) uint8."""
+    return torch.stack([packed & 15, packed >> 4], -1).flatten(-2)
 
 
 def _half_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -55,7 +65,7 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype=torch.flo
         table = _fp8_table(stored.device, dtype)
         out = table.index_select(0, stored.reshape(-1).view(torch.uint8).int()).view(stored.shape)
     elif stored.dtype == torch.uint8:  # int4, two a byte
-        out = torch.stack([stored & 15, stored >> 4], -1).flatten(-2).to(dtype) - 8
+        out = unpack_nibbles(stored).to(dtype) - 8
     else:
         out = stored.to(dtype)
     return out if scale is None else out * scale.to(dtype)

@@ -24,7 +24,7 @@ import torch
 
 from kvzip import kernels
 from kvzip.methods.base import tensor_bytes
-from kvzip.sparse.coded_attention import FP16_TINY, dequantize, quantize
+from kvzip.sparse.coded_attention import FP16_TINY, dequantize, pack_nibbles, quantize, unpack_nibbles
 from kvzip.sparse.omp import reconstruct
 from kvzip.sparse.screen import screen
 
@@ -128,19 +128,14 @@ class Int4Detail(DenseDetail):
         scale = ((high - low) / self.LEVELS).clamp(min=FP16_TINY).half()
         low = low.half()
         codes = ((x - low.float()) / scale.float()).round_().clamp_(0, self.LEVELS).to(torch.uint8)
-        return codes[..., 0::2] | (codes[..., 1::2] << 4), scale, low
+        return pack_nibbles(codes), scale, low
 
     def load(self, stored, device, dtype):
         (k, k_scale, k_low), (v, v_scale, v_low) = ([x.to(device, non_blocking=True) for x in part] for part in stored)
-        k = _unpack(k) * k_scale.float() + k_low.float()
-        groups = _unpack(v).unflatten(-1, (v_scale.shape[-1], -1))
+        k = unpack_nibbles(k).float() * k_scale.float() + k_low.float()
+        groups = unpack_nibbles(v).float().unflatten(-1, (v_scale.shape[-1], -1))
         v = (groups * v_scale.float()[..., None] + v_low.float()[..., None]).flatten(-2)
         return k.to(dtype), v.to(dtype)
-
-
-def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    """Codes packed two to a byte (..., c / 2) uint8 -> (..., c) float, the low nibble first."""
-    return torch.stack([packed & 15, packed >> 4], -1).flatten(-2).float()
 
 
 class CodedDetail(DenseDetail):

@@ -39,7 +39,9 @@ def reread_votes(layers: list, queries: dict[int, torch.Tensor], votes: torch.Te
     for i, q in queries.items():
         layer, g = layers[i], 0 if groups == 1 else i
         for b, candidates in enumerate(short[g]):
-            stored = [(t, layer.detail[b][t]) for t in candidates if voting[b] and t < len(layer.detail[b])]
+            if not voting[b]:
+                continue
+            stored = [(t, layer.detail[b][t]) for t in candidates if t < len(layer.detail[b])]
             stored = [(t, s) for t, s in stored if s is not None]  # a sliding layer frees what it cannot see
             if not stored:
                 continue
