@@ -81,9 +81,10 @@ def test_zoomr_on_the_device_tier_with_either_index(tiny, tokenizer, index):
 def test_fadkv_with_int4_coefficients_lands_on_an_even_sparsity(tiny, tokenizer, tiny_dictionaries):
     """int4 coefficients (two a byte) are counted as stored: a 14-atom code lands on its budget, and a plan that
     lowers the sparsity lowers it to even numbers only."""
-    p, measured = _measure(tiny, tokenizer, tiny_dictionaries, "fadkv", 0.5, LENGTHS[-1], "all",
-                           {"coef_format": "int4", "sparsity": "14"})
-    assert not p.note and abs(measured / p.expected - 1) <= TOLERANCE, (p, measured)
+    for bits in ("16", "10"):  # and atom numbers packed in 10 bits are counted as stored
+        p, measured = _measure(tiny, tokenizer, tiny_dictionaries, "fadkv", 0.5, LENGTHS[-1], "all",
+                               {"coef_format": "int4", "sparsity": "14", "index_bits": bits})
+        assert not p.note and abs(measured / p.expected - 1) <= TOLERANCE, (bits, p, measured)
     shape = Shape(layers=30, heads=9, kv_heads=3, head_dim=64, element_size=2)
     low = plan("fadkv", Budget(0.125, 46, 2048, shape), {"coef_format": "int4"})
     assert int(low.options["sparsity"]) % 2 == 0 and not low.note

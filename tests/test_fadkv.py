@@ -59,7 +59,7 @@ def dense_keys_values(layer, row):
     """Rebuild every stored token of a row densely (coded ones from their codes), in stored order."""
     rebuilt = []
     for kind in layer.kinds:
-        idx, st, sc = kind.codes.idx, kind.codes.stored, kind.codes.scale
+        idx, st, sc = kind.numbers(), kind.codes.stored, kind.codes.scale
         coef = st.float() if sc is None else st.float() * sc.float()
         h, t, s = idx.shape[1:]
         atoms = kind.atom_table(layer.batch)[row][idx[row].long().reshape(-1, s)]  # (H*T, s, d), plain indexing
@@ -75,13 +75,17 @@ def dense_keys_values(layer, row):
 
 
 @pytest.mark.parametrize("kernel", ["torch", "auto"])  # the PyTorch reference and, where built, the fused kernel
-@pytest.mark.parametrize("adapt, value_sparsity", [("none", "0"), ("fixed", "0"), ("append", "0"), ("fixed", "6")])
-def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, value_sparsity, kernel):
+@pytest.mark.parametrize("adapt, value_sparsity, index_bits", [("none", "0", "16"), ("fixed", "0", "16"),
+                                                               ("append", "0", "16"), ("fixed", "6", "16"),
+                                                               ("fixed", "6", "10")])
+def test_attention_on_codes_equals_dense_reference(tiny_dictionaries, adapt, value_sparsity, index_bits, kernel):
+    """index_bits=10 packs the atom numbers (the fused kernel reads 16-bit ones, so `auto` runs the reference)."""
     _, layer = make_layer(tiny_dictionaries, adapt=adapt, adapt_threshold="0.2", value_sparsity=value_sparsity,
-                          kernel=kernel)
+                          kernel=kernel, index_bits=index_bits)
     feed(layer, 60)
-    assert layer.coded_keys.codes.idx.shape[-1] == 4
-    assert layer.coded_values.codes.idx.shape[-1] == (int(value_sparsity) or 4)
+    assert layer.coded_keys.numbers().shape[-1] == 4
+    assert layer.coded_values.numbers().shape[-1] == (int(value_sparsity) or 4)
+    assert (layer.coded_keys.codes.idx.dtype == torch.uint8) == (index_bits == "10")
     assert layer.coded_pos.shape[1] > 40
     if adapt != "none":
         assert layer.cache.coding.replaced > 0
@@ -178,6 +182,24 @@ def test_int4_coefficients_round_trip_two_a_byte():
 
     with pytest.raises(UserError, match="must be even"):
         get_method("fadkv", {"coef_format": "int4", "sparsity": "5"})
+
+
+def test_atom_numbers_packed_in_ten_bits_round_trip():
+    """pack_indices keeps each number's low byte and its two high bits four to a byte: every number below 1,024
+    comes back at every sparsity, in s + ceil(s/4) bytes; index_bits=10 with appended atoms is refused."""
+    from kvzip.errors import UserError
+    from kvzip.sparse import coded_attention as coded
+
+    g = torch.Generator().manual_seed(0)
+    for s in range(1, 15):
+        idx = torch.randint(0, coded.PACKED_ATOMS, (2, 3, 5, s), generator=g, dtype=torch.int16)
+        idx[0, 0, 0] = coded.PACKED_ATOMS - 1
+        idx[0, 0, 1] = 0
+        packed = coded.pack_indices(idx)
+        assert packed.dtype == torch.uint8 and packed.shape[-1] == s + (s + 3) // 4 == coded.packed_width(s)
+        assert torch.equal(coded.unpack_indices(packed, s), idx.int())
+    with pytest.raises(UserError, match="adapt=append grows past"):
+        get_method("fadkv", {"index_bits": "10", "adapt": "append"})
 
 
 def test_fp8_table_matches_cast():

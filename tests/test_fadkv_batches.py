@@ -41,12 +41,14 @@ def test_prerope_dictionary_through_generate_matches_dense_rebuild(tiny, tokeniz
         get_method("fadkv", {**SMALL, "keys": "post-rope"}).make_cache(tiny, prerope)
 
 
-@pytest.mark.parametrize("name, coef_format", [("fadkv", "int8"), ("fadkv", "fp8"), ("fadkv", "int4"), ("lexico", "int8")])
-def test_left_padded_row_decodes_like_the_row_alone(tiny, tokenizer, tiny_dictionaries, name, coef_format):
+@pytest.mark.parametrize("name, coef_format, index_bits", [("fadkv", "int8", "16"), ("fadkv", "fp8", "16"),
+                                                            ("fadkv", "int4", "10"), ("lexico", "int8", "16")])
+def test_left_padded_row_decodes_like_the_row_alone(tiny, tokenizer, tiny_dictionaries, name, coef_format,
+                                                    index_bits):
     """A left-padded batch row: the padding's zero keys code to all-zero coefficients (their 8-bit scale must not
     underflow to 0, or 0/0 is NaN) and its fully masked queries get zero weights; either NaN used to reach the whole
     row through the per-atom value sums, and the row decoded token 0 forever."""
-    opts = {**SMALL, "coef_format": coef_format, **({"coder": "omp"} if name == "lexico" else {})}
+    opts = {**SMALL, "coef_format": coef_format, "index_bits": index_bits, **({"coder": "omp"} if name == "lexico" else {})}
     prompts = [tokenizer("a short one")["input_ids"], tokenizer("a somewhat longer prompt for the second row")["input_ids"]]
     settings = engine.Settings(max_new_tokens=12, ignore_eos=True)
 

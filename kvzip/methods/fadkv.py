@@ -4,8 +4,8 @@ FAD-KV (Zhu et al., 2026) and its predecessor Lexico (Kim et al., ICML 2025; arX
 - the first `sinks` tokens and the most recent `buffer` tokens stay dense (sinks draw outsized attention, so a
   coding error there costs the most; the buffer absorbs tokens between coding events, one after a prompt and one
   every `code_chunk` decode steps, where every row codes all beyond its sinks and buffer);
-- older tokens are coded as `sparsity` atom indices (int16) and coefficients (fp16, or 8 bits with a scale:
-  `coef_format`) over the layer's key or value dictionary. The per-head key mean (stored in the dictionary file) is
+- older tokens are coded as `sparsity` atom indices (int16, or packed in 10 bits: `index_bits`) and coefficients
+  (fp16, or 8 or 4 bits with a scale: `coef_format`) over the layer's key or value dictionary. The per-head key mean (stored in the dictionary file) is
   removed before coding. Keys are coded as the dictionary was trained: before RoPE (the default file; RoPE undone at
   coding time) or after it;
 - decoding never keeps a dense copy of the past. Post-RoPE scores gather q·D by code and add one q·mean term;
@@ -109,6 +109,7 @@ class Fadkv(Method):
     sparsity: int = 8
     value_sparsity: int = 0  # atoms per value vector; 0: the same as `sparsity` (keys)
     coef_format: str = "int8"  # same agreement as fp8 at 4k (0.953 both), and its CPU decode is a plain cast
+    index_bits: int = 16  # 10: atom numbers packed (dictionaries of up to 1,024 atoms); the fused kernel reads 16
     coder: str = "screen"
     screen_pool: int = 16
     screen_shots: int = 2
@@ -131,6 +132,9 @@ class Fadkv(Method):
         check_choice("screen_shots", self.screen_shots, SHOTS)
         check_choice("screen_pick", self.screen_pick, PICKS)
         check_choice("kernel", self.kernel, KERNELS)
+        check_choice("index_bits", self.index_bits, (16, 10))
+        if self.index_bits == 10 and self.adapt == "append":
+            raise ValueError("index_bits=10 holds the numbers of 1,024 atoms: adapt=append grows past them")
         if self.value_sparsity < 0:
             raise ValueError(f"value_sparsity must be >= 0 (0: the same as sparsity), got {self.value_sparsity}")
         check_positive(sparsity=self.sparsity, screen_pool=self.screen_pool, code_chunk=self.code_chunk,
@@ -154,7 +158,8 @@ class Fadkv(Method):
 
         def code(s: int) -> float:  # bytes of one coded vector against full's
             coef = {"fp16": 2, "int4": 0.5}.get(self.coef_format, 1)
-            return (s * (2 + coef) + (0 if self.coef_format == "fp16" else 2)) / shape.vector_bytes
+            numbers = coded.packed_width(s) if self.index_bits == 10 else 2 * s
+            return (s * coef + numbers + (0 if self.coef_format == "fp16" else 2)) / shape.vector_bytes
 
         def expected(s: int, vs: int, buffer: int) -> float:
             held = min(self.sinks + buffer + self.code_chunk - 1, t)
@@ -199,6 +204,9 @@ class Fadkv(Method):
         if max(self.sparsity, self.value_sparsity) > dictionaries.num_atoms:
             raise UserError(f"sparsity {max(self.sparsity, self.value_sparsity)} exceeds the dictionary's "
                             f"{dictionaries.num_atoms} atoms")
+        if self.index_bits == 10 and dictionaries.num_atoms > coded.PACKED_ATOMS:
+            raise UserError(f"index_bits=10 holds the numbers of {coded.PACKED_ATOMS} atoms; this dictionary has "
+                            f"{dictionaries.num_atoms}: use index_bits=16")
         devices = layer_devices(model)  # a model split over devices: each layer's atoms, RoPE tables, coding there
         prepared = prepare_for_devices(dictionaries, devices, paired=[r.dim for r in ropes] if ropes else False)
         shared = sum(tensor_bytes(a) for a in (dictionaries.keys, dictionaries.values))

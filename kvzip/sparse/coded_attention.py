@@ -10,6 +10,8 @@ A coded token t of one KV head is `idx[t]` (s atom numbers) and `coef[t]` (s coe
 
 Coefficients are stored as fp16, or in 8 bits with one fp16 scale per vector (int8: absmax/127; fp8: e4m3, absmax/448),
 or in 4 bits two to a byte with one fp16 scale per vector (int4: absmax/7, the low nibble first; an even sparsity).
+Atom numbers are int16, or packed in 10 bits for dictionaries of up to 1,024 atoms (`pack_indices`: each number's low
+byte, then its two high bits four to a byte: s + ceil(s/4) bytes a token, 1.25 B a number for s a multiple of 4).
 """
 
 from __future__ import annotations
@@ -53,6 +55,31 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """`pack_nibbles` undone: (..., c / 2) uint8 -> (..., c) uint8."""
     return torch.stack([packed & 15, packed >> 4], -1).flatten(-2)
+
+
+PACKED_ATOMS = 1 << 10  # the most atom numbers `pack_indices` holds
+
+
+def packed_width(s: int) -> int:
+    """Bytes a token's s packed atom numbers take: s low bytes, then ceil(s / 4) bytes of high bits."""
+    return s + (s + 3) // 4
+
+
+def pack_indices(idx: torch.Tensor) -> torch.Tensor:
+    """Atom numbers (..., s) below PACKED_ATOMS -> (..., packed_width(s)) uint8: the s low bytes, then the two high
+    bits of numbers 4j..4j+3 in byte j of the tail, number 4j in its lowest bits."""
+    s = idx.shape[-1]
+    wide = idx.int()
+    high = torch.nn.functional.pad(wide >> 8, (0, (-s) % 4)).view(*idx.shape[:-1], -1, 4)  # (..., ceil(s/4), 4)
+    tail = high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4) | (high[..., 3] << 6)
+    return torch.cat([(wide & 255).to(torch.uint8), tail.to(torch.uint8)], -1)
+
+
+def unpack_indices(packed: torch.Tensor, s: int) -> torch.Tensor:
+    """`pack_indices` undone: (..., packed_width(s)) uint8 -> (..., s) int32."""
+    low, tail = packed[..., :s].int(), packed[..., s:].int()
+    high = torch.stack([tail & 3, (tail >> 2) & 3, (tail >> 4) & 3, tail >> 6], -1).flatten(-2)[..., :s]
+    return low | (high << 8)
 
 
 def _half_scale(scale: torch.Tensor) -> torch.Tensor:

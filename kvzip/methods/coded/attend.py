@@ -77,7 +77,7 @@ def coded_attention(query, mask, scaling, tiers: Tiers, key_mean: torch.Tensor |
         scores = torch.cat([prerope_scores(qg, tiers.coded_keys, key_mean, rope, inputs.turns), dense_scores], -1)
     else:
         keys = tiers.coded_keys
-        k_scores = coded.coded_scores(keys.atom_scores(qg), keys.codes.idx, keys.codes.coefficients())
+        k_scores = coded.coded_scores(keys.atom_scores(qg), keys.numbers(), keys.codes.coefficients())
         if key_mean is not None:
             k_scores = k_scores + qg @ key_mean[None, :, :, None].float()  # (B, H, gq, 1)
         scores = torch.cat([k_scores, dense_scores], -1)
@@ -93,7 +93,7 @@ def coded_attention(query, mask, scaling, tiers: Tiers, key_mean: torch.Tensor |
         out = out + rebuilt_values(w[..., :t], tiers.coded_values, d)
     else:  # decoding: weights summed per atom, one product with the value dictionary
         values = tiers.coded_values
-        v_idx, v_st, v_sc = values.codes.idx, values.codes.stored, values.codes.scale
+        v_idx, v_st, v_sc = values.numbers(), values.codes.stored, values.codes.scale
         w_coded = w[..., :t] if v_sc is None else w[..., :t] * v_sc.float().transpose(-1, -2)  # scales folded in
         w_atoms = coded.atom_weights(w_coded, v_idx.long(), coded.dequantize(v_st, None), values.n_total() + 1)
         out = out + values.values_from_atoms(w_atoms)
@@ -133,7 +133,7 @@ def rebuilt_chunks(kind: CodedKind, batch: int):
     for c in range(0, idx.shape[2], SCORE_CHUNK):
         part = slice(c, c + SCORE_CHUNK)
         coef = coded.dequantize(stored[:, :, part], None if scale is None else scale[:, :, part])  # (B, H, Tc, s)
-        yield part, reconstruct(atoms, idx[:, :, part].int() + rows, coef)
+        yield part, reconstruct(atoms, kind.numbers(idx[:, :, part]).int() + rows, coef)
 
 
 def rebuilt_values(w: torch.Tensor, values: CodedKind, dim: int) -> torch.Tensor:

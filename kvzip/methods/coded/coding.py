@@ -45,6 +45,7 @@ class CodedOptions(typing.Protocol):
     sparsity: int
     value_sparsity: int
     coef_format: str
+    index_bits: int
     coder: str
     screen_pool: int
     screen_shots: int

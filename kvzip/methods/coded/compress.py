@@ -220,7 +220,7 @@ def compress(layers: list["FadkvLayer"], stats: CodingStats) -> None:
             xs = torch.stack([x[i] for i in call]).flatten(2, 3)  # (L, B', H·width, d)
             rs = torch.stack([real[i] for i in call]).flatten(2, 3)
             idx, coef = code_kinds([kinds[i] for i in call], row_index, xs, rs, cfg, stats, part[0][0].seen, low)
-            stored = (idx.to(kinds[call[0]].codes.idx.dtype), *quantize(coef, cfg.coef_format))  # every kind at once
+            stored = (kinds[call[0]].stored_numbers(idx), *quantize(coef, cfg.coef_format))  # every kind at once
             for j, i in enumerate(call):
                 codes[i] = tuple(None if t is None else _full_rows(t[j], row_index, batch, width) for t in stored)
         for n, (layer, plan) in enumerate(part):

@@ -57,9 +57,10 @@ class FadkvLayer(DenseLayer):
         b, h = self.batch, self.kv_heads
         self.coded_pos = torch.zeros(b, 0, dtype=torch.long, device=self.device)  # (B, T), -1: a hole
         a, fmt = self.atoms, self.cfg.coef_format
-        self.coded_keys = CodedKind(a.keys, a.grams, a.slot, self.cfg.sparsity, fmt, b, h)
+        bits = self.cfg.index_bits
+        self.coded_keys = CodedKind(a.keys, a.grams, a.slot, self.cfg.sparsity, fmt, b, h, bits)
         self.coded_values = CodedKind(a.values, a.grams, a.slot + 1, self.cfg.value_sparsity or self.cfg.sparsity, fmt,
-                                      b, h)
+                                      b, h, bits)
 
     @property
     def kinds(self) -> tuple[CodedKind, CodedKind]:
@@ -76,10 +77,10 @@ class FadkvLayer(DenseLayer):
 
     def fused(self) -> bool:
         """Whether one new token's attention runs in the fused CPU kernel (kvzip/kernels) rather than the PyTorch
-        reference: `kernel=auto`, on the CPU, int8 or fp16 coefficients, head sizes and sparsities the kernel
-        holds, and the kernel built."""
+        reference: `kernel=auto`, on the CPU, int8 or fp16 coefficients, 16-bit atom numbers, head sizes and
+        sparsities the kernel holds, and the kernel built."""
         d = self.keys.shape[-1]
-        return (self.cfg.kernel == "auto" and self.keys.device.type == "cpu"
+        return (self.cfg.kernel == "auto" and self.keys.device.type == "cpu" and self.cfg.index_bits == 16
                 and self.coded_keys.codes.stored.dtype in (torch.int8, torch.float16) and d % 16 == 0 and d <= 256
                 and max(self.coded_keys.sparsity, self.coded_values.sparsity) <= 64 and kernels.available())
 

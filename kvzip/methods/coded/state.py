@@ -66,7 +66,8 @@ class Overlay:
 
 @dataclass
 class Codes:
-    """Coded tokens: idx (B, H, T, s) atom numbers (int16, or int32 for very large dictionaries), stored (B, H, T, s)
+    """Coded tokens: idx (B, H, T, s) atom numbers (int16, or int32 for very large dictionaries; or packed in 10 bits,
+    (B, H, T, packed_width(s)) uint8: read them with `CodedKind.numbers`), stored (B, H, T, s)
     coefficients in the layer's coefficient format, scale (B, H, T, 1) fp16 per vector (None for fp16 coefficients).
     Views of room with spare columns in front (`kvzip.methods.coded.compress.push_codes`): each token's s entries
     are contiguous, the row and head strides are the room's."""
@@ -93,13 +94,18 @@ class CodedKind:
     grams[gram_slot] (all layers' Gram matrices in one tensor, kvzip.sparse.dictionary.LayerAtoms)."""
 
     def __init__(self, atoms: torch.Tensor, grams: torch.Tensor, gram_slot: int, sparsity: int, coef_format: str,
-                 batch: int, heads: int):
+                 batch: int, heads: int, index_bits: int = 16):
         self.atoms, self.grams, self.gram_slot, self.sparsity = atoms, grams, gram_slot, sparsity
         self.n_atoms, dim = atoms.shape
         dev = atoms.device
-        idx_dtype = torch.int16 if self.n_atoms + 4096 < 32767 else torch.int32
+        self.packed = index_bits == 10  # numbers below coded.PACKED_ATOMS only: no appended atoms (the method checks)
+        if self.packed:
+            idx = torch.zeros(batch, heads, 0, coded.packed_width(sparsity), dtype=torch.uint8, device=dev)
+        else:
+            idx = torch.zeros(batch, heads, 0, sparsity, device=dev,
+                              dtype=torch.int16 if self.n_atoms + 4096 < 32767 else torch.int32)
         stored, scale = coded.quantize(torch.zeros(batch, heads, 0, sparsity, device=dev), coef_format)
-        self.codes = Codes(torch.zeros(batch, heads, 0, sparsity, dtype=idx_dtype, device=dev), stored, scale)
+        self.codes = Codes(idx, stored, scale)
         self.overlay = Overlay(batch, dim, dev)
         self.refcount = torch.zeros(batch, self.n_atoms, dtype=torch.long, device=dev)
         self.last_used = torch.full((batch, self.n_atoms), -1, dtype=torch.long, device=dev)
@@ -109,6 +115,15 @@ class CodedKind:
 
     def bytes(self) -> dict[str, int]:
         return {"codes": self.codes.bytes(), "dictionary": self.overlay.bytes()}
+
+    def numbers(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Atom numbers (B, H, T, s) of the codes, or of `idx` (some of their columns), as stored or unpacked."""
+        idx = self.codes.idx if idx is None else idx
+        return coded.unpack_indices(idx, self.sparsity) if self.packed else idx
+
+    def stored_numbers(self, idx: torch.Tensor) -> torch.Tensor:
+        """New atom numbers (..., s) as this kind stores them."""
+        return coded.pack_indices(idx) if self.packed else idx.to(self.codes.idx.dtype)
 
     def n_total(self) -> int:
         """The dictionary size the rows see: N, or more where `adapt=append` grew an overlay past it."""
@@ -131,7 +146,7 @@ class CodedKind:
     def forget(self, gone: torch.Tensor) -> None:
         """Coded tokens gone (B, T) (out of a sliding window): the atoms their codes used lose a live code."""
         for row in range(gone.shape[0]):
-            used = self.codes.idx[row][:, gone[row]].reshape(-1).long()
+            used = self.numbers(self.codes.idx[row : row + 1, :, gone[row]]).reshape(-1).long()
             self.refcount[row].scatter_add_(0, used, -torch.ones_like(used))
 
     # ---- the atoms in attention --------------------------------------------------------------------------------
