@@ -48,7 +48,8 @@ def test_left_padded_row_decodes_like_the_row_alone(tiny, tokenizer, tiny_dictio
     """A left-padded batch row: the padding's zero keys code to all-zero coefficients (their 8-bit scale must not
     underflow to 0, or 0/0 is NaN) and its fully masked queries get zero weights; either NaN used to reach the whole
     row through the per-atom value sums, and the row decoded token 0 forever."""
-    opts = {**SMALL, "coef_format": coef_format, "index_bits": index_bits, **({"coder": "omp"} if name == "lexico" else {})}
+    opts = {**SMALL, "coef_format": coef_format, "index_bits": index_bits,
+            **({"coder": "omp"} if name == "lexico" else {})}
     prompts = [tokenizer("a short one")["input_ids"], tokenizer("a somewhat longer prompt for the second row")["input_ids"]]
     settings = engine.Settings(max_new_tokens=12, ignore_eos=True)
 
