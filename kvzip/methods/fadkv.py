@@ -6,8 +6,8 @@ FAD-KV (Zhu et al., 2026) and its predecessor Lexico (Kim et al., ICML 2025; arX
   every `code_chunk` decode steps, where every row codes all beyond its sinks and buffer);
 - older tokens are coded as `sparsity` atom indices (int16, or packed in 10 bits: `index_bits`) and coefficients
   (fp16, or 8 or 4 bits with a scale: `coef_format`) over the layer's key or value dictionary. The per-head key
-  mean (stored in the dictionary file) is removed before coding. Keys are coded as the dictionary was trained: before RoPE (the default file; RoPE undone at
-  coding time) or after it;
+  mean (stored in the dictionary file) is removed before coding. Keys are coded as the dictionary was trained:
+  before RoPE (the default file; RoPE undone at coding time) or after it;
 - decoding never keeps a dense copy of the past. Post-RoPE scores gather q·D by code and add one q·mean term;
   pre-RoPE scores rebuild one chunk of keys at a time (mean added back, RoPE applied, chunk dropped). Values are
   summed per atom and multiplied by the value dictionary once (kvzip/sparse/coded_attention.py).
