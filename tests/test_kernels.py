@@ -42,13 +42,15 @@ def fused_and_reference(layer, query, mask=None):
 
 
 @pytest.mark.parametrize("keys", ["pre-rope", "post-rope"])
-@pytest.mark.parametrize("adapt, value_sparsity, coef", [("none", "0", "int8"), ("fixed", "0", "int8"),
-                                                          ("append", "6", "int8"), ("fixed", "0", "fp16")])
+@pytest.mark.parametrize("adapt, value_sparsity, coef, bits", [
+    ("none", "0", "int8", "16"), ("fixed", "0", "int8", "16"), ("append", "6", "int8", "16"),
+    ("fixed", "0", "fp16", "16"), ("fixed", "0", "int4", "10"), ("none", "6", "int8", "10"), ("fixed", "6", "int4", "16")])
 @pytest.mark.parametrize("dense", [torch.float32, torch.bfloat16])
-def test_coded_decode_attention_equals_the_reference(tiny_dictionaries, keys, adapt, value_sparsity, coef, dense):
+def test_coded_decode_attention_equals_the_reference(tiny_dictionaries, keys, adapt, value_sparsity, coef, bits, dense):
+    """Every coefficient format and both widths of atom numbers (ten-bit ones packed, read in the kernel's gather)."""
     inv = INV_FREQ if keys == "pre-rope" else None
     _, layer = make_layer(tiny_dictionaries, batch=3, adapt=adapt, adapt_threshold="0.2", keys=keys, inv_freq=inv,
-                          value_sparsity=value_sparsity, coef_format=coef)
+                          value_sparsity=value_sparsity, coef_format=coef, index_bits=bits)
     g = torch.Generator().manual_seed(5)
     for _ in range(70):
         k, v = torch.randn(3, 2, 1, 16, generator=g), torch.randn(3, 2, 1, 16, generator=g)
@@ -61,16 +63,19 @@ def test_coded_decode_attention_equals_the_reference(tiny_dictionaries, keys, ad
 
 
 @pytest.mark.parametrize("keys", ["pre-rope", "post-rope"])
-@pytest.mark.parametrize("dense, group", [(torch.float32, 3), (torch.bfloat16, 3), (torch.float32, 1),
-                                          (torch.float32, 5), (torch.float32, 7)])
-def test_coded_decode_attention_at_the_shipped_head_size(keys, dense, group):
+@pytest.mark.parametrize("dense, group, narrow", [(torch.float32, 3, False), (torch.bfloat16, 3, False),
+                                                  (torch.float32, 1, False), (torch.float32, 5, False),
+                                                  (torch.float32, 7, False), (torch.bfloat16, 3, True)])
+def test_coded_decode_attention_at_the_shipped_head_size(keys, dense, group, narrow):
     """The shipped SmolLM2 dictionaries (d = 64, the head size the kernel compiles in; 3 query heads per KV head as
     the default model, and the groups of other families, which the kernel sums in blocks of up to three): the kernel
-    equals the reference on random keys and values coded with the default options."""
+    equals the reference on random keys and values coded with the default options, and with the narrow codes (int4
+    coefficients, 14 atom numbers of 1,024 packed in ten bits)."""
     stem = "smollm2-135m-prerope" if keys == "pre-rope" else "smollm2-135m"
     dictionaries = KVDictionary.load(dictionary_lookup.dictionary_dir() / f"{stem}.safetensors")
     inv = 1.0 / (100000.0 ** (torch.arange(0, 64, 2).float() / 64)) if keys == "pre-rope" else None
-    method = get_method("fadkv", {"keys": keys})
+    method = get_method("fadkv", {"keys": keys, **({"coef_format": "int4", "index_bits": "10", "sparsity": "14"}
+                                                   if narrow else {})})
     layer = FadkvLayer(method, prepare_layers(dictionaries, "cpu", paired=inv is not None)[3], rope=inv)
     g = torch.Generator().manual_seed(1)
     layer.update(torch.randn(2, 3, 300, 64, generator=g).to(dense), torch.randn(2, 3, 300, 64, generator=g).to(dense))

@@ -1,8 +1,9 @@
 // Decode attention on dictionary-coded keys and values (fadkv, lexico), fused: no (B, H, T, d) tensor is written.
 //
-// A coded token t of one KV head is s atom numbers idx[t, j] and s coefficients c[t, j] (int8 with one fp16 scale
-// per vector, or fp16): k_t = sum_j c[t, j] D[idx[t, j]]. For each row b this computes the attention of the G query
-// rows of each KV head (one new token) over the coded tokens and the dense tier (sinks and the recent buffer):
+// A coded token t of one KV head is s atom numbers idx[t, j] (int16, int32, or packed in ten bits) and s
+// coefficients c[t, j] (int8 or int4 with one fp16 scale per vector, or fp16): k_t = sum_j c[t, j] D[idx[t, j]].
+// For each row b this computes the attention of the G query rows of each KV head (one new token) over the coded
+// tokens and the dense tier (sinks and the recent buffer):
 // - pre-RoPE keys (`rope_cs` given): kLanes coded keys at a time are rebuilt from their s atoms into a tile in L1, the
 //   key mean added, turned by RoPE at their positions (atoms, mean and query in the model's channel order, so a turn
 //   is two vector halves times cos and sin), and scored against each query row at once: T (s d + 2 d + G d)
@@ -40,9 +41,10 @@ using at::Tensor;
 struct Args {
   int64_t B, H, G, d, T, S, s_k, s_v, k_ntot, v_ntot, rope_dim;
   const float* q;                              // (B, H, G, d) scaled, model channel order
-  const void *k_idx, *k_coef, *v_idx, *v_coef;  // (B, H, T, s), a token's s entries contiguous
+  const void *k_idx, *k_coef, *v_idx, *v_coef;  // (B, H, T, width), a token's entries contiguous (token_width)
   const at::Half *k_scale, *v_scale;           // (B, H, T) or null
-  int64_t kc_b, kc_h, ks_b, ks_h, vc_b, vc_h, vs_b, vs_h, cp_b;  // row and head strides: codes, scales, coded_pos
+  int64_t ki_b, ki_h, kc_b, kc_h, ks_b, ks_h;  // row and head strides: key numbers, coefficients, scales
+  int64_t vi_b, vi_h, vc_b, vc_h, vs_b, vs_h, cp_b;  // the same for values; coded_pos
   const float *k_shared, *v_shared;            // the shared atoms, rows of d found by offset
   const float *k_extra, *v_extra;              // (E, d) the zero row and every row's own atoms
   const int64_t *k_offsets, *v_offsets;        // (B, Ntot) where each atom number is (atom_offsets)
@@ -92,6 +94,48 @@ struct Partials {
 
 template <typename T>
 inline const T* typed(const void* base, int64_t offset) { return static_cast<const T*>(base) + offset; }
+
+// Atom numbers packed in ten bits (kvzip.sparse.coded_attention.pack_indices): a token's s low bytes, then the two
+// high bits of numbers 4i..4i+3 in byte i of a ceil(s / 4)-byte tail, number 4i in its lowest bits.
+struct Packed10 {
+  uint8_t byte;
+};
+// Coefficients in four bits, two a byte, the low nibble first, stored with 8 added (coded_attention.quantize).
+struct Nibbles {
+  uint8_t byte;
+};
+
+// Entries a token's s numbers or coefficients take.
+template <typename T> inline int64_t token_width(int64_t s) { return s; }
+template <> inline int64_t token_width<Packed10>(int64_t s) { return s + (s + 3) / 4; }
+template <> inline int64_t token_width<Nibbles>(int64_t s) { return s / 2; }
+
+// Token t's s atom numbers, from the codes of one row and KV head.
+template <typename idx_t>
+inline void read_numbers(const idx_t* codes, int64_t t, int64_t s, int32_t* out) {
+  const idx_t* tok = codes + t * s;
+  for (int64_t j = 0; j < s; ++j) out[j] = static_cast<int32_t>(tok[j]);
+}
+template <>
+inline void read_numbers<Packed10>(const Packed10* codes, int64_t t, int64_t s, int32_t* out) {
+  const uint8_t* tok = &codes[t * token_width<Packed10>(s)].byte;
+  for (int64_t j = 0; j < s; ++j) out[j] = tok[j] | (((tok[s + j / 4] >> (2 * (j % 4))) & 3) << 8);
+}
+
+// Token t's s coefficients times `unit` (its scale, or 1), from the coefficients of one row and KV head.
+template <typename coef_t>
+inline void read_coefs(const coef_t* coefs, int64_t t, int64_t s, float unit, float* out) {
+  const coef_t* tok = coefs + t * s;
+  for (int64_t j = 0; j < s; ++j) out[j] = static_cast<float>(tok[j]) * unit;
+}
+template <>
+inline void read_coefs<Nibbles>(const Nibbles* coefs, int64_t t, int64_t s, float unit, float* out) {
+  const uint8_t* tok = &coefs[t * (s / 2)].byte;
+  for (int64_t i = 0; i < s / 2; ++i) {
+    out[2 * i] = static_cast<float>((tok[i] & 15) - 8) * unit;
+    out[2 * i + 1] = static_cast<float>((tok[i] >> 4) - 8) * unit;
+  }
+}
 
 inline const float* atom_at(const float* shared, const float* extra, int64_t offset, int64_t d) {
   return offset >= 0 ? shared + offset : extra + (-1 - offset) * d;
@@ -179,7 +223,7 @@ void attend_chunk(const Args& a, const Partials& p, int64_t b, int64_t c, int64_
     for (int64_t t0 = lo; t0 < hi; t0 += kLanes) {
       const int64_t n = std::min(kLanes, hi - t0);
       for (int64_t h = 0; h < H; ++h) {
-        const idx_t* k_idx = typed<idx_t>(a.k_idx, b * a.kc_b + h * a.kc_h);
+        const idx_t* k_idx = typed<idx_t>(a.k_idx, b * a.ki_b + h * a.ki_h);
         const coef_t* k_coef = typed<coef_t>(a.k_coef, b * a.kc_b + h * a.kc_h);
         const at::Half* k_scale = key_scale(h);
         const float* mean = a.key_mean ? a.key_mean + h * d : nullptr;
@@ -191,9 +235,11 @@ void attend_chunk(const Args& a, const Partials& p, int64_t b, int64_t c, int64_
           }
           const float unit = k_scale ? static_cast<float>(k_scale[t]) : 1.f;
           float cf[kMaxSparsity];  // the token's coefficients and atoms first, so the sums below wait on loads alone
+          int32_t num[kMaxSparsity];
           const float* atoms[kMaxSparsity];
-          for (int64_t j = 0; j < a.s_k; ++j) cf[j] = static_cast<float>(k_coef[t * a.s_k + j]) * unit;
-          for (int64_t j = 0; j < a.s_k; ++j) atoms[j] = k_atoms[k_idx[t * a.s_k + j]];
+          read_coefs(k_coef, t, a.s_k, unit, cf);
+          read_numbers(k_idx, t, a.s_k, num);
+          for (int64_t j = 0; j < a.s_k; ++j) atoms[j] = k_atoms[num[j]];
           vf k[NV ? NV : kMaxHead / kLanes];
           for (int64_t v = 0; v < nv; ++v) k[v] = mean ? load(mean + v * kLanes) : vf{};
           for (int64_t j = 0; j < a.s_k; ++j)
@@ -237,7 +283,7 @@ void attend_chunk(const Args& a, const Partials& p, int64_t b, int64_t c, int64_
   } else {
     std::vector<float>& qd = work.qd;
     for (int64_t h = 0; h < H; ++h) {
-      const idx_t* k_idx = typed<idx_t>(a.k_idx, b * a.kc_b + h * a.kc_h);
+      const idx_t* k_idx = typed<idx_t>(a.k_idx, b * a.ki_b + h * a.ki_h);
       const coef_t* k_coef = typed<coef_t>(a.k_coef, b * a.kc_b + h * a.kc_h);
       const at::Half* k_scale = key_scale(h);
       for (int64_t n = 0; n < a.k_ntot; ++n) {  // q.D once per query row, gathered by code below
@@ -250,9 +296,11 @@ void attend_chunk(const Args& a, const Partials& p, int64_t b, int64_t c, int64_
         const float* table = qd.data() + g * a.k_ntot;
         float* row = scores + (h * G + g) * WL;
         for (int64_t t = lo; t < hi; ++t) {
-          float sc = 0.f;
-          for (int64_t j = 0; j < a.s_k; ++j)
-            sc += static_cast<float>(k_coef[t * a.s_k + j]) * table[k_idx[t * a.s_k + j]];
+          float cf[kMaxSparsity], sc = 0.f;
+          int32_t num[kMaxSparsity];
+          read_coefs(k_coef, t, a.s_k, 1.f, cf);
+          read_numbers(k_idx, t, a.s_k, num);
+          for (int64_t j = 0; j < a.s_k; ++j) sc += cf[j] * table[num[j]];
           row[t - lo] = ok[t - lo] ? base + sc * (k_scale ? static_cast<float>(k_scale[t]) : 1.f) : neg_inf;
         }
       }
@@ -306,7 +354,7 @@ void attend_chunk(const Args& a, const Partials& p, int64_t b, int64_t c, int64_
     const dense_t* dense_v = static_cast<const dense_t*>(a.dense_v) + b * a.ds_b + h * a.ds_h;
     accumulate(out, G, nv, S, scores + h * G * WL + L, 1, WL,
                [&](int64_t t) { return ok[L + t] ? dense_v + t * a.ds_s : nullptr; });
-    const idx_t* v_idx = typed<idx_t>(a.v_idx, b * a.vc_b + h * a.vc_h);
+    const idx_t* v_idx = typed<idx_t>(a.v_idx, b * a.vi_b + h * a.vi_h);
     const coef_t* v_coef = typed<coef_t>(a.v_coef, b * a.vc_b + h * a.vc_h);
     const at::Half* v_scale = a.v_scale ? a.v_scale + b * a.vs_b + h * a.vs_h : nullptr;
     float* acc = p.acc + (part + h) * a.v_ntot * p.Gp;  // (v_ntot, Gp): an atom's weights for all query rows together
@@ -319,10 +367,13 @@ void attend_chunk(const Args& a, const Partials& p, int64_t b, int64_t c, int64_
         for (int64_t i = 0; i < 4; ++i) w[i] = u * 4 + i < G ? scores[(h * G + u * 4 + i) * WL + t - lo] : 0.f;
         wt[u] = v4{w[0], w[1], w[2], w[3]};
       }
-      const float unit = v_scale ? static_cast<float>(v_scale[t]) : 1.f;
+      float cf[kMaxSparsity];
+      int32_t num[kMaxSparsity];
+      read_coefs(v_coef, t, a.s_v, v_scale ? static_cast<float>(v_scale[t]) : 1.f, cf);
+      read_numbers(v_idx, t, a.s_v, num);
       for (int64_t j = 0; j < a.s_v; ++j) {
-        const float cv = static_cast<float>(v_coef[t * a.s_v + j]) * unit;
-        float* into = acc + v_idx[t * a.s_v + j] * p.Gp;
+        const float cv = cf[j];
+        float* into = acc + num[j] * p.Gp;
         for (int64_t u = 0; u < quads; ++u) {
           v4 x;
           std::memcpy(&x, into + u * 4, sizeof(x));
@@ -423,19 +474,31 @@ void dispatch_dense(const Args& a, at::ScalarType dense) {
 template <typename idx_t>
 void dispatch_coef(const Args& a, at::ScalarType coef, at::ScalarType dense) {
   if (coef == at::kChar) return dispatch_dense<idx_t, int8_t>(a, dense);
-  TORCH_CHECK(coef == at::kHalf, "coded_decode_attention: coefficients must be int8 (with scales) or float16");
+  if (coef == at::kByte) return dispatch_dense<idx_t, Nibbles>(a, dense);
+  TORCH_CHECK(coef == at::kHalf, "coded_decode_attention: coefficients must be int8 or int4 (with scales) or float16");
   return dispatch_dense<idx_t, at::Half>(a, dense);
+}
+
+// Atoms a token's codes hold: their width, or the width packed ten-bit numbers of s atoms take (s + ceil(s / 4)).
+int64_t sparsity_of(const Tensor& idx) {
+  const int64_t n = idx.size(3);
+  return idx.scalar_type() == at::kByte ? n - (n + 4) / 5 : n;
 }
 
 void check_codes(const Tensor& idx, const Tensor& coef, const std::optional<Tensor>& scale, const Tensor& shared,
                  const Tensor& extra, const Tensor& offsets, int64_t B, int64_t H, int64_t T, int64_t d,
                  const char* kind) {
   TORCH_CHECK(idx.dim() == 4 && idx.size(0) == B && idx.size(1) == H && idx.size(2) == T, kind,
-              " codes must be (B, H, T, s)");
-  TORCH_CHECK(coef.sizes() == idx.sizes() && coef.strides() == idx.strides() && idx.stride(3) == 1 &&
-                  idx.stride(2) == idx.size(3),
-              kind, " coefficients must match the codes in shape and strides, each token's entries contiguous");
-  TORCH_CHECK(idx.scalar_type() == at::kShort || idx.scalar_type() == at::kInt, kind, " codes must be int16 or int32");
+              " codes must be (B, H, T, width)");
+  TORCH_CHECK(idx.scalar_type() == at::kShort || idx.scalar_type() == at::kInt || idx.scalar_type() == at::kByte,
+              kind, " codes must be int16, int32 or ten-bit numbers packed in uint8");
+  const int64_t s = sparsity_of(idx);
+  const int64_t width = coef.scalar_type() == at::kByte ? token_width<Nibbles>(s) : s;
+  TORCH_CHECK(coef.dim() == 4 && coef.size(0) == B && coef.size(1) == H && coef.size(2) == T &&
+                  coef.size(3) == width && (coef.scalar_type() != at::kByte || s % 2 == 0),
+              kind, " coefficients must be (B, H, T, s), or (B, H, T, s / 2) for int4 (s even)");
+  TORCH_CHECK(idx.stride(3) == 1 && idx.stride(2) == idx.size(3) && coef.stride(3) == 1 && coef.stride(2) == width,
+              kind, " codes and coefficients must keep each token's entries contiguous");
   if (scale.has_value()) {
     TORCH_CHECK(scale->scalar_type() == at::kHalf && scale->dim() == 4 && scale->size(0) == B &&
                     scale->size(1) == H && scale->size(2) == T && scale->size(3) == 1 && scale->stride(2) == 1,
@@ -466,7 +529,8 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
               "coded_decode_attention: head sizes up to ", kMaxHead, " in multiples of ", kLanes, ", up to ",
               kMaxGroup, " query heads per KV head");
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), d = q.size(3), T = k_idx.size(2);
-  TORCH_CHECK(k_idx.size(3) <= kMaxSparsity, "coded_decode_attention: up to ", kMaxSparsity, " atoms per key");
+  const int64_t s_k = sparsity_of(k_idx), s_v = sparsity_of(v_idx);
+  TORCH_CHECK(std::max(s_k, s_v) <= kMaxSparsity, "coded_decode_attention: up to ", kMaxSparsity, " atoms a vector");
   check_codes(k_idx, k_coef, k_scale, k_shared, k_extra, k_offsets, B, H, T, d, "key");
   check_codes(v_idx, v_coef, v_scale, v_shared, v_extra, v_offsets, B, H, T, d, "value");
   TORCH_CHECK(k_idx.scalar_type() == v_idx.scalar_type() && k_coef.scalar_type() == v_coef.scalar_type(),
@@ -505,12 +569,13 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
     TORCH_CHECK(key_mean->scalar_type() == at::kFloat && key_mean->is_contiguous() && key_mean->numel() == H * d,
                 "key_mean must be (H, d) float32");
   Tensor out = at::empty({B, H, G, d}, q.options());
-  Args a{B, H, G, d, T, S, k_idx.size(3), v_idx.size(3), k_offsets.size(1), v_offsets.size(1), rope_dim,
+  Args a{B, H, G, d, T, S, s_k, s_v, k_offsets.size(1), v_offsets.size(1), rope_dim,
          q.data_ptr<float>(), k_idx.data_ptr(), k_coef.data_ptr(), v_idx.data_ptr(), v_coef.data_ptr(),
          k_scale ? k_scale->data_ptr<at::Half>() : nullptr, v_scale ? v_scale->data_ptr<at::Half>() : nullptr,
-         k_idx.stride(0), k_idx.stride(1), k_scale ? k_scale->stride(0) : 0, k_scale ? k_scale->stride(1) : 0,
-         v_idx.stride(0), v_idx.stride(1), v_scale ? v_scale->stride(0) : 0, v_scale ? v_scale->stride(1) : 0,
-         coded_pos.stride(0),
+         k_idx.stride(0), k_idx.stride(1), k_coef.stride(0), k_coef.stride(1),
+         k_scale ? k_scale->stride(0) : 0, k_scale ? k_scale->stride(1) : 0,
+         v_idx.stride(0), v_idx.stride(1), v_coef.stride(0), v_coef.stride(1),
+         v_scale ? v_scale->stride(0) : 0, v_scale ? v_scale->stride(1) : 0, coded_pos.stride(0),
          k_shared.data_ptr<float>(), v_shared.data_ptr<float>(), k_extra.data_ptr<float>(), v_extra.data_ptr<float>(),
          k_offsets.data_ptr<int64_t>(), v_offsets.data_ptr<int64_t>(),
          key_mean ? key_mean->data_ptr<float>() : nullptr, rope_cs ? rope_cs->data_ptr<float>() : nullptr,
@@ -520,6 +585,8 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
          out.data_ptr<float>()};
   if (k_idx.scalar_type() == at::kShort)
     dispatch_coef<int16_t>(a, k_coef.scalar_type(), dense_k.scalar_type());
+  else if (k_idx.scalar_type() == at::kByte)
+    dispatch_coef<Packed10>(a, k_coef.scalar_type(), dense_k.scalar_type());
   else
     dispatch_coef<int32_t>(a, k_coef.scalar_type(), dense_k.scalar_type());
   return out;

@@ -109,7 +109,7 @@ class Fadkv(Method):
     sparsity: int = 8
     value_sparsity: int = 0  # atoms per value vector; 0: the same as `sparsity` (keys)
     coef_format: str = "int8"  # same agreement as fp8 at 4k (0.953 both), and its CPU decode is a plain cast
-    index_bits: int = 16  # 10: atom numbers packed (dictionaries of up to 1,024 atoms); the fused kernel reads 16
+    index_bits: int = 16  # 10: atom numbers packed in ten bits (dictionaries of up to 1,024 atoms)
     coder: str = "screen"
     screen_pool: int = 16
     screen_shots: int = 2

@@ -77,11 +77,12 @@ class FadkvLayer(DenseLayer):
 
     def fused(self) -> bool:
         """Whether one new token's attention runs in the fused CPU kernel (kvzip/kernels) rather than the PyTorch
-        reference: `kernel=auto`, on the CPU, int8 or fp16 coefficients, 16-bit atom numbers, head sizes and
-        sparsities the kernel holds, and the kernel built."""
+        reference: `kernel=auto`, on the CPU, int8, int4 or fp16 coefficients, head sizes and sparsities the kernel
+        holds, and the kernel built."""
         d = self.keys.shape[-1]
-        return (self.cfg.kernel == "auto" and self.keys.device.type == "cpu" and self.cfg.index_bits == 16
-                and self.coded_keys.codes.stored.dtype in (torch.int8, torch.float16) and d % 16 == 0 and d <= 256
+        return (self.cfg.kernel == "auto" and self.keys.device.type == "cpu"
+                and self.coded_keys.codes.stored.dtype in (torch.int8, torch.uint8, torch.float16) and d % 16 == 0
+                and d <= 256
                 and max(self.coded_keys.sparsity, self.coded_values.sparsity) <= 64 and kernels.available())
 
     def memory(self) -> dict[str, int]:
