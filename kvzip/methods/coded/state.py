@@ -3,8 +3,9 @@
 A layer codes keys and values alike, each over its own dictionary, so everything here exists once per kind:
 - the shared dictionary, N unit-norm atoms (N, d) and their Gram matrix (N, N), fp32, never written;
 - `codes`: per coded token of every row and KV head, s atom numbers and coefficients (`Codes`);
-- `overlay`: each row's replaced (fixed-size adaptation) or appended atoms, atom number -> vector, so batched rows
-  never see each other's atoms and the shared dictionary stays untouched;
+- `overlay`: each row's replaced (fixed-size adaptation) or appended atoms, atom number -> vector (fp16: a unit-norm
+  atom loses nothing the 8- or 4-bit coefficients keep), so batched rows never see each other's atoms and the shared
+  dictionary stays untouched;
 - `refcount` and `last_used` (B, Ntot): how many live codes of a row use each atom and when it was last used; an atom
   with no live code may be replaced, the least recently used first.
 """
@@ -28,7 +29,7 @@ class Overlay:
 
     def __init__(self, batch: int, dim: int, device):
         self.ids = torch.full((batch, 0), -1, dtype=torch.long, device=device)
-        self.vectors = torch.zeros(batch, 0, dim, device=device)
+        self.vectors = torch.zeros(batch, 0, dim, dtype=torch.float16, device=device)
         self.version = 0  # counts changes, so that tables built from the overlay know when they are stale
 
     def put(self, rows: torch.Tensor, atoms: torch.Tensor, vectors: torch.Tensor, ok: torch.Tensor) -> None:
@@ -159,7 +160,7 @@ class CodedKind:
         qd = torch.cat([qd, pad], -1)
         if ov.ids.shape[1]:
             ids = torch.where(ov.ids >= 0, ov.ids, n_tot)  # free slots write the spare column
-            q_ov = torch.einsum("bhgd,brd->bhgr", qg, ov.vectors)  # (B, H, G, R)
+            q_ov = torch.einsum("bhgd,brd->bhgr", qg, ov.vectors.float())  # (B, H, G, R)
             qd.scatter_(-1, ids[:, None, None, :].expand_as(q_ov), q_ov)
             qd[..., n_tot] = 0
         return qd
@@ -172,7 +173,7 @@ class CodedKind:
         ids = torch.where(ov.ids >= 0, ov.ids, self.n_total())[:, None, None, :].expand(*w_atoms.shape[:-1], -1)
         w_ov = w_atoms.gather(-1, ids)  # (B, H, G, R)
         w_base = w_atoms.scatter(-1, ids, 0.0)
-        return w_base[..., : self.n_atoms] @ self.atoms + torch.einsum("bhgr,brd->bhgd", w_ov, ov.vectors)
+        return w_base[..., : self.n_atoms] @ self.atoms + torch.einsum("bhgr,brd->bhgd", w_ov, ov.vectors.float())
 
     def lookup(self, rope_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The atoms each row sees, as the fused kernels read them (kvzip.sparse.atoms.atom_offsets): the shared
@@ -207,7 +208,7 @@ class CodedKind:
         if not ov.ids.shape[1]:
             return table
         ids = torch.where(ov.ids >= 0, ov.ids, n_tot)  # free slots write the spare last row
-        return table.scatter(1, ids[..., None].expand_as(ov.vectors), ov.vectors)
+        return table.scatter(1, ids[..., None].expand_as(ov.vectors), ov.vectors.to(table.dtype))
 
 
 def _widen(table: torch.Tensor, width: int, fill: int) -> torch.Tensor:
