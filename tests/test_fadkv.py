@@ -59,8 +59,7 @@ def dense_keys_values(layer, row):
     """Rebuild every stored token of a row densely (coded ones from their codes), in stored order."""
     rebuilt = []
     for kind in layer.kinds:
-        idx, st, sc = kind.numbers(), kind.codes.stored, kind.codes.scale
-        coef = st.float() if sc is None else st.float() * sc.float()
+        idx, coef = kind.numbers(), kind.codes.coefficients()
         h, t, s = idx.shape[1:]
         atoms = kind.atom_table(layer.batch)[row][idx[row].long().reshape(-1, s)]  # (H*T, s, d), plain indexing
         vec = (coef[row].reshape(-1, s, 1) * atoms).sum(1)
@@ -155,7 +154,7 @@ def test_rebuilt_values_equal_per_atom_sums(tiny_dictionaries, adapt, monkeypatc
     t = layer.coded_pos.shape[1]
     w = torch.rand(1, 2, 6, t)
     values = layer.coded_values
-    per_atom = values.values_from_atoms(coded.atom_weights(w, values.codes.idx.long(), values.codes.coefficients(),
+    per_atom = values.values_from_atoms(coded.atom_weights(w, values.numbers().long(), values.codes.coefficients(),
                                                            values.n_total() + 1))
     torch.testing.assert_close(fadkv_module.rebuilt_values(w, values, layer.values.shape[-1]), per_atom, rtol=1e-4,
                                atol=1e-4)
@@ -223,7 +222,7 @@ def test_prerope_codes_content_keys(tiny_dictionaries):
     layer.update(rotate(content, torch.tensor([1]), inv_freq).view(1, 1, 1, 16).expand(1, 2, 1, 16).clone(),
                  torch.randn(1, 2, 1, 16))
     compress([layer], CodingStats())  # what the cache's after_forward runs after a prompt's forward
-    idx, coef = layer.coded_keys.codes.idx, layer.coded_keys.codes.coefficients()
+    idx, coef = layer.coded_keys.numbers(), layer.coded_keys.codes.coefficients()
     assert idx.shape[2] == 2
     for t in range(2):
         assert int(idx[0, 0, t][coef[0, 0, t].abs().argmax()]) == 5

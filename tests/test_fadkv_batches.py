@@ -185,6 +185,6 @@ def test_bookkeeping_shared_across_kinds_and_layers_changes_no_code(tiny, tokeni
             assert torch.equal(ka.codes.idx, kb.codes.idx) and torch.equal(ka.codes.stored, kb.codes.stored)
             assert torch.equal(ka.refcount, kb.refcount) and torch.equal(ka.last_used, kb.last_used)
             for row in range(a.batch):
-                live = ka.codes.idx[row][:, a.coded_pos[row] >= 0].reshape(-1).long()
+                live = ka.numbers()[row][:, a.coded_pos[row] >= 0].reshape(-1).long()
                 assert torch.equal(torch.bincount(live, minlength=ka.refcount.shape[1]), ka.refcount[row])
     assert shared.coding.replaced == apart.coding.replaced > 0

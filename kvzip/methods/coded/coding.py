@@ -57,6 +57,8 @@ class CodedOptions(typing.Protocol):
     sinks: int
     kernel: str
 
+    def packed_numbers(self, atoms: int) -> bool: ...
+
 
 def code(options: CodedOptions, x: torch.Tensor, atoms: Grouped, sparsity: int):
     """x (G, m, d) -> idx, coef (G, m, s), group g coded over group g's atoms, by the options' coder (screening's
