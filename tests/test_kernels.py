@@ -2,8 +2,8 @@
 
 `coded_decode_attention` against fadkv's reference attention on the codes (kvzip/methods/fadkv.py, kernel=torch),
 over the options that change what it reads: keys before or after RoPE, adapted dictionaries (overlay atoms replaced
-or appended), a value sparsity of its own, fp16 or int8 coefficients, a batch whose rows coded on their own schedules
-(holes), left padding, and dense tiers in fp32, bf16 and fp16. Where the kernel cannot be built the reference runs,
+or appended), a value sparsity of its own, fp16, int8 or int4 coefficients, int16 or ten-bit atom numbers, a batch
+whose rows coded on their own schedules (holes), left padding, and dense tiers in fp32, bf16 and fp16. Where the kernel cannot be built the reference runs,
 and this file says so by skipping with the reason.
 """
 
@@ -46,7 +46,8 @@ def fused_and_reference(layer, query, mask=None):
     ("none", "0", "int8", "16"), ("fixed", "0", "int8", "16"), ("append", "6", "int8", "16"),
     ("fixed", "0", "fp16", "16"), ("fixed", "0", "int4", "10"), ("none", "6", "int8", "10"), ("fixed", "6", "int4", "16")])
 @pytest.mark.parametrize("dense", [torch.float32, torch.bfloat16])
-def test_coded_decode_attention_equals_the_reference(tiny_dictionaries, keys, adapt, value_sparsity, coef, bits, dense):
+def test_coded_decode_attention_equals_the_reference(tiny_dictionaries, keys, adapt, value_sparsity, coef, bits,
+                                                     dense):
     """Every coefficient format and both widths of atom numbers (ten-bit ones packed, read in the kernel's gather)."""
     inv = INV_FREQ if keys == "pre-rope" else None
     _, layer = make_layer(tiny_dictionaries, batch=3, adapt=adapt, adapt_threshold="0.2", keys=keys, inv_freq=inv,
@@ -92,8 +93,8 @@ def test_one_long_row_split_into_chunks_equals_the_reference(keys):
     stem = "smollm2-135m-prerope" if keys == "pre-rope" else "smollm2-135m"
     dictionaries = KVDictionary.load(dictionary_lookup.dictionary_dir() / f"{stem}.safetensors")
     inv = 1.0 / (100000.0 ** (torch.arange(0, 64, 2).float() / 64)) if keys == "pre-rope" else None
-    layer = FadkvLayer(get_method("fadkv", {"keys": keys}), prepare_layers(dictionaries, "cpu", paired=inv is not None)[3],
-                       rope=inv)
+    atoms = prepare_layers(dictionaries, "cpu", paired=inv is not None)[3]
+    layer = FadkvLayer(get_method("fadkv", {"keys": keys}), atoms, rope=inv)
     g = torch.Generator().manual_seed(4)
     layer.update(torch.randn(1, 3, 1100, 64, generator=g), torch.randn(1, 3, 1100, 64, generator=g))
     compress([layer], CodingStats())
