@@ -145,16 +145,15 @@ class Fadkv(Method):
             raise ValueError("buffer and sinks must be >= 0")
 
     def plan_budget(self, budget, fixed):
-        """Sparsity and buffer (why in docs/fadkv.md): the default sparsity with a buffer of at least 64 tokens if
-        that fits, else the sparsity lowered a step at a time; then buffers down to 16. The buffer takes whatever F
-        leaves, past its default when F is large: dense tokens are the best it can hold."""
+        """Sparsity and buffer (why in docs/fadkv.md): the most atoms, from the default down, that leave a buffer of
+        at least 16 tokens; the buffer takes whatever F leaves, past its default when F is large."""
         from kvzip.budget import Plan
 
         t, shape = budget.tokens, budget.shape
         dense = (2 if shape.element_size == 4 else shape.element_size) / shape.element_size  # fp16 dense tier in fp32
-        # A row's adapted atoms (the `dictionary` tier) are not planned: how many it holds depends on the text (27 a
-        # layer and kind at sparsity 8 over results-2's 8k output, 0.2% of full's bytes; 62 over 512 tokens at
-        # sparsity 4, 8%); the bench measures them and marks a cell they push past the tolerance.
+        # A row's adapted atoms (the `dictionary` tier) are not planned: how many it holds depends on the text and the
+        # sparsity (at 0.125 of a 2,048-token output, 0.008 of full's bytes at sparsity 6, 0.013 at 4; 0.2% at 8 over
+        # results-2's 8k output); the bench measures them and marks a cell they push past the tolerance.
 
         def code(s: int) -> float:  # bytes of one coded vector against full's
             coef = {"fp16": 2, "int4": 0.5}.get(self.coef_format, 1)
@@ -168,18 +167,16 @@ class Fadkv(Method):
         sparsities = [self.sparsity] if "sparsity" in fixed else list(range(self.sparsity, 1, -1))
         if self.coef_format == "int4":  # two coefficients a byte: even sparsities only
             sparsities = [x for x in sparsities if x % 2 == 0] or sparsities
-        for floor in (64, 16):
-            for s in sparsities:
-                vs = self.value_sparsity if "value_sparsity" in fixed and self.value_sparsity else s
-                if "buffer" in fixed:
-                    if expected(s, vs, self.buffer) <= budget.fraction:
-                        return Plan({"sparsity": s}, expected(s, vs, self.buffer))
-                    continue
-                per_token = dense - (code(s) + code(vs)) / 2  # what one more buffered token adds
-                room = (budget.fraction - expected(s, vs, 0)) * t / per_token
-                buffer = int(min(room, t))
-                if buffer >= floor:
-                    return Plan({"sparsity": s, "buffer": buffer}, expected(s, vs, buffer))
+        for s in sparsities:
+            vs = self.value_sparsity if "value_sparsity" in fixed and self.value_sparsity else s
+            if "buffer" in fixed:
+                if expected(s, vs, self.buffer) <= budget.fraction:
+                    return Plan({"sparsity": s}, expected(s, vs, self.buffer))
+                continue
+            per_token = dense - (code(s) + code(vs)) / 2  # what one more buffered token adds
+            buffer = int(min((budget.fraction - expected(s, vs, 0)) * t / per_token, t))
+            if buffer >= 16:
+                return Plan({"sparsity": s, "buffer": buffer}, expected(s, vs, buffer))
         s, buffer = sparsities[-1], self.buffer if "buffer" in fixed else 16
         floor = expected(s, s, buffer)
         smallest = {k: v for k, v in (("sparsity", s), ("buffer", buffer)) if k not in fixed}
