@@ -57,10 +57,10 @@ class FadkvLayer(DenseLayer):
         b, h = self.batch, self.kv_heads
         self.coded_pos = torch.zeros(b, 0, dtype=torch.long, device=self.device)  # (B, T), -1: a hole
         a, fmt = self.atoms, self.cfg.coef_format
-        bits = 10 if self.cfg.packed_numbers(a.keys.shape[0]) else 16  # index_bits=0: ten where the numbers fit
-        self.coded_keys = CodedKind(a.keys, a.grams, a.slot, self.cfg.sparsity, fmt, b, h, bits)
+        packed = self.cfg.packed_numbers(a.keys.shape[0])  # index_bits=0: ten-bit numbers where they fit
+        self.coded_keys = CodedKind(a.keys, a.grams, a.slot, self.cfg.sparsity, fmt, b, h, packed)
         self.coded_values = CodedKind(a.values, a.grams, a.slot + 1, self.cfg.value_sparsity or self.cfg.sparsity, fmt,
-                                      b, h, bits)
+                                      b, h, packed)
 
     @property
     def kinds(self) -> tuple[CodedKind, CodedKind]:

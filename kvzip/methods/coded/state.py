@@ -95,11 +95,11 @@ class CodedKind:
     grams[gram_slot] (all layers' Gram matrices in one tensor, kvzip.sparse.dictionary.LayerAtoms)."""
 
     def __init__(self, atoms: torch.Tensor, grams: torch.Tensor, gram_slot: int, sparsity: int, coef_format: str,
-                 batch: int, heads: int, index_bits: int = 16):
+                 batch: int, heads: int, packed: bool = False):
         self.atoms, self.grams, self.gram_slot, self.sparsity = atoms, grams, gram_slot, sparsity
         self.n_atoms, dim = atoms.shape
         dev = atoms.device
-        self.packed = index_bits == 10  # numbers below coded.PACKED_ATOMS only: no appended atoms (the method checks)
+        self.packed = packed  # ten-bit numbers: below coded.PACKED_ATOMS only, no appended atoms (the method checks)
         if self.packed:
             idx = torch.zeros(batch, heads, 0, coded.packed_width(sparsity), dtype=torch.uint8, device=dev)
         else:
