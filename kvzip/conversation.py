@@ -20,7 +20,6 @@ prefilled in chunks with a progress callback. Library code: no printing, and err
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace

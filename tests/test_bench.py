@@ -53,6 +53,9 @@ def test_every_method_runs_and_reports_the_issue_fields(tiny_run):
                "capacity": ("rows", "kv_budget", "kv_bytes_per_row", "rows_device_tier")}
     for r in data["results"]:
         for key in common + quality[r["workload"]]:
+            if r.get("scoring_shortcut") and key in ("decode_tokens_per_s", "speed_ratio_vs_full"):
+                assert r[key] is None and r["method"].startswith("hf-")  # their stock layers' speed is not measured
+                continue
             assert r.get(key) is not None, (r["label"], r["workload"], key)
         assert r["kv_bytes_peak"] > 0 and r["process_peak_rss_bytes"] > 0
         # every ratio can be recomputed from the byte fields it is made of

@@ -185,3 +185,29 @@ def test_a_resumed_budget_sweep_reruns_no_finished_cell(tmp_path, tiny_model_dir
     assert [r["label"] for r in data["results"]] == ["full", "window@0.25", "window@0.5", "h2o@0.25", "h2o@0.5"]
     assert all(r["budget"] in (0.25, 0.5) for r in data["results"][1:])
     capsys.readouterr()
+
+
+def test_a_budget_planned_like_an_earlier_one_is_not_measured_again(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """hf-fp8 has one format whatever the budget: its second budget reuses the first one's pass, says so, and still
+    carries its own budget and mark."""
+    import json
+    import sys
+
+    from kvzip import evaluate
+    from kvzip.cli import main
+
+    out = tmp_path / "fp8.json"
+    passes = []
+    forced = evaluate.teacher_forced
+    monkeypatch.setattr(evaluate, "teacher_forced", lambda *a, **k: passes.append(1) or forced(*a, **k))
+    monkeypatch.setattr(sys, "argv", ["kvzip", "bench", "--model", str(tiny_model_dir), "--dtype", "float32",
+                                      "--methods", "full,hf-fp8", "--budgets", "0.25,0.5", "--workloads", "output",
+                                      "--output-tokens", "24", "--rows", "1", "--json", str(out)])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code == 0 and len(passes) == 3  # full, its short reference, hf-fp8 once
+    full, first, second = json.loads(out.read_text())["results"]
+    assert "same_run_as" not in first and second["same_run_as"] == first["label"] == "hf-fp8@0.25"
+    assert (first["budget"], second["budget"]) == (0.25, 0.5) and first["top1_agreement"] == second["top1_agreement"]
+    assert first["budget_mark"] is None and "holds 0.250" in second["budget_mark"]  # fp32: a byte of four
+    capsys.readouterr()

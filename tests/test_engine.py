@@ -152,3 +152,23 @@ def test_hf_fp8_saturates_values_beyond_the_frozen_scale(device):
     keys, values = layer.update(10 * small[:, :, :1], -10 * small[:, :, :1])  # 10x the prefill's range
     assert torch.isfinite(keys).all() and torch.isfinite(values).all()
     assert keys[:, :, -1].max().item() == pytest.approx(1.0) and values[:, :, -1].min().item() == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("name,options", [("hf-fp8", {}), ("hf-int4", {"q_group_size": 16, "residual_length": 8}),
+                                          ("hf-int2", {"q_group_size": 16, "residual_length": 5})])
+def test_peers_scoring_shortcut_changes_no_number(tiny, tokenizer, name, options):
+    """`for_scoring` keeps the peers' dequantized copies between the steps that change them: every logit and the
+    memory report stay what the stock layers give, through the residual's flushes (quanto) and appends (fp8)."""
+    from kvzip.evaluate import teacher_forced
+
+    method = get_method(name, options)
+    prompts = [prompt(tokenizer, "Facts: the key is blue."), prompt(tokenizer, "Hi")]
+    forced = [[(7 * j + r) % 250 + 3 for j in range(40)] for r in range(2)]
+    runs = []
+    for shortcut in (False, True):
+        cache = method.make_cache(tiny)
+        assert cache.for_scoring() if shortcut else True
+        runs.append(teacher_forced(tiny, tokenizer, cache, prompts, forced, keep_reference=True))
+    stock, kept = runs
+    assert torch.equal(stock.nll, kept.nll) and torch.equal(stock.reference.top_logprobs, kept.reference.top_logprobs)
+    assert stock.report["kv_bytes_peak"] == kept.report["kv_bytes_peak"] > 0

@@ -28,6 +28,7 @@ When several lengths are measured, the headline fields are the longest one's and
 
 from __future__ import annotations
 
+import json
 import statistics
 
 from kvzip import engine, evaluate
@@ -55,9 +56,19 @@ def check_data(cfg) -> None:
 
 def _forced(ctx: Context, label: str, key, method, dictionaries, prompts, forced) -> dict:
     """One teacher-forced pass; `full`'s pass is kept as the reference under `key` for every later setting, beside
-    the key positions found against the short reference run right after it (kvzip.evaluate.key_positions)."""
+    the key positions found against the short reference run right after it (kvzip.evaluate.key_positions).
+
+    A budget whose plan gives the very options an earlier budget of the same method got in this process (a fixed
+    format such as hf-fp8, or two budgets below what a method reaches) is not measured twice: its record is that
+    one's, with `same_run_as` naming it and its own budget fields."""
     m, d, plan = resolve(method, dictionaries, max(len(p) for p in prompts), len(forced[0]))
+    same = ("measured", *key, m.name, json.dumps(m.describe()["options"], sort_keys=True, default=str))
+    if plan is not None and same in ctx.ref:
+        earlier, record = ctx.ref[same]
+        record = {**record, "same_run_as": earlier}
+        return {**record, **budget_fields(method, plan, record)}
     cache = m.make_cache(ctx.model, d)
+    timed = not cache.for_scoring()  # the quanto peers' scoring shortcut: same numbers, not their speed
     ref = ctx.ref.get(key)
     progress = lambda done, total: ctx.tick(1)  # noqa: E731
     run = evaluate.teacher_forced(ctx.model, ctx.tokenizer, cache, prompts, forced, reference=ref,
@@ -78,7 +89,10 @@ def _forced(ctx: Context, label: str, key, method, dictionaries, prompts, forced
     if label == "full":
         scores["kl"] = scores["key_kl"] = 0.0  # the reference itself
     record = {**scores, **run.report, **extra,
-              "decode_tokens_per_s": round(fed / run.decode_s, 3) if run.decode_s > 0 else None, "rows": len(prompts)}
+              "decode_tokens_per_s": round(fed / run.decode_s, 3) if timed and run.decode_s > 0 else None,
+              "rows": len(prompts), **({} if timed else {"scoring_shortcut": True})}
+    if plan is not None:
+        ctx.ref[same] = (label, record)
     return {**record, **budget_fields(method, plan, record)}
 
 

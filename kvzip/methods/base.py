@@ -296,6 +296,12 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.reorder_cache(beam_idx)
 
+    def for_scoring(self) -> bool:
+        """Called before a pass that only scores (teacher forcing): a cache may then trade process memory and the
+        pass's speed for time, never its numbers or its memory report. True when it did (the pass's speed is then
+        not the method's). No-op by default."""
+        return False
+
     def memory(self) -> dict[str, int]:
         """Bytes by tier summed over layers, plus the full-cache bytes for the same tokens."""
         total = dict.fromkeys(TIERS, 0)

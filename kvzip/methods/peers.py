@@ -10,6 +10,11 @@
 The layers are transformers' own, unchanged: they return dequantized K/V to the stock SDPA path (no `attend`).
 kvzip adds only the memory report, counted from what the layers really hold: the quantized tensors' bytes (packed
 codes plus every scale and shift, walked through quanto's tensor subclasses) plus the full-precision residual.
+
+Both layers dequantize their whole store at every step, which makes a teacher-forced 4k x 8 pass hours on a CPU
+(fp8's cast runs one value at a time). For scoring passes only, `PeerCache.for_scoring` lets them keep the
+dequantized copy between the steps that change it: the same numbers bit for bit, the memory report unchanged, but
+the process holds a full-precision copy and the pass's speed is not the peer's (the bench drops it).
 """
 
 from __future__ import annotations
@@ -41,7 +46,29 @@ def stored_bytes(obj) -> int:
 
 class _PeerMemory(FullBytes):
     """Memory report for transformers' quantized layers (mixed in first); their full-cache equivalent is `FullBytes`
-    over `cumulative_length` (their get_seq_length), every layer full attention."""
+    over `cumulative_length` (their get_seq_length), every layer full attention. With `keep` set (scoring passes),
+    `_dequantize` keeps its result per stored state (by identity) until the layer replaces that state."""
+
+    keep = False
+    _kept: dict | None = None  # id(a stored state, or fp8's scale) -> (that object, its dequantized copy)
+
+    def reset(self) -> None:
+        super().reset()
+        self._kept = None
+
+    def _dequantize(self, stored):
+        if not self.keep:
+            return super()._dequantize(stored)
+        held = self._held(stored, (self._quantized_keys, self._quantized_values))
+        out = held if held is not None else super()._dequantize(stored)
+        self._kept[id(stored)] = (stored, out)
+        return out
+
+    def _held(self, key, current: tuple):
+        """The copy kept for `key` (None if none), after dropping the copies of objects no longer in `current`."""
+        self._kept = {k: v for k, v in (self._kept or {}).items() if any(v[0] is c for c in current)}
+        held = self._kept.get(id(key))
+        return held[1] if held is not None and held[0] is key else None
 
     def lazy_initialization(self, key_states, value_states):
         record_shape(self, key_states)
@@ -78,10 +105,38 @@ class PeerFp8Layer(_PeerMemory, Fp8QuantizedLayer):
         limit = self.fp8_max * scale
         return super()._quantize(torch.maximum(torch.minimum(tensor.float(), limit), -limit), scale)
 
+    def _dequantize(self, stored):
+        """Keyed by the state's scale, which is frozen: each step appends codes to a new tuple with the same scale,
+        so the copy dequantizes the new tokens alone (the cast is elementwise: the same values), into a buffer that
+        grows by doubling, of which the valid part is returned as a view."""
+        cast = lambda codes: Fp8QuantizedLayer._dequantize(self, (codes, stored[1]))  # noqa: E731
+        if not self.keep:
+            return cast(stored[0])
+        held = self._held(stored[1], (self._quantized_keys[1], self._quantized_values[1]))
+        n, done = stored[0].shape[-2], 0 if held is None else held[1]
+        buffer = None if held is None else held[0]
+        if buffer is None or buffer.shape[-2] < n:
+            grown = torch.empty(*stored[0].shape[:-2], max(2 * n, 256), stored[0].shape[-1], dtype=self.keys.dtype,
+                                device=stored[0].device)
+            if done:
+                grown[..., :done, :] = buffer[..., :done, :]
+            buffer = grown
+        buffer[..., done:n, :] = cast(stored[0][..., done:, :])
+        self._kept[id(stored[1])] = (stored[1], (buffer, n))
+        return buffer[..., :n, :]
+
 
 class PeerQuantoLayer(_PeerMemory, QuantoQuantizedLayer):
     def set_padding(self, padding: torch.Tensor) -> None:
         """quanto quantizes groups within one token's head vector, so a row never depends on the others."""
+
+
+class PeerCache(KVCache):
+    def for_scoring(self) -> bool:
+        """Keep the dequantized copies between the steps that change them (see the module's docstring)."""
+        for layer in self.layers:
+            layer.keep = True
+        return True
 
 
 def _full_attention_only(model, name: str) -> None:
@@ -108,7 +163,7 @@ class HfFp8(Method):
     def make_cache(self, model, dictionaries=None) -> KVCache:
         layers, _, _ = model_layout(model)
         _full_attention_only(model, self.name)
-        return KVCache([PeerFp8Layer() for _ in range(layers)], self)
+        return PeerCache([PeerFp8Layer() for _ in range(layers)], self)
 
 
 @dataclass
@@ -162,7 +217,7 @@ class _Quanto(Method):
         _full_attention_only(model, self.name)
         if head_dim % self.q_group_size:
             raise UserError(f"method '{self.name}': q_group_size {self.q_group_size} must divide head_dim {head_dim}")
-        return KVCache([PeerQuantoLayer(nbits=self.bits, q_group_size=self.q_group_size,
+        return PeerCache([PeerQuantoLayer(nbits=self.bits, q_group_size=self.q_group_size,
                                         residual_length=self.residual_length) for _ in range(layers)], self)
 
 

@@ -9,7 +9,6 @@ at most 10% above OMP's, per kind over all 30 layers, and no layer more than 15%
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.mark.integration
