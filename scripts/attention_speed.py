@@ -11,13 +11,16 @@ keys and values of the same length (3 KV heads, 9 query heads, d=64, as SmolLM2-
 OMP_NUM_THREADS (default 1).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/attention_speed.py --tokens 8192
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/attention_speed.py --tokens 1024 --batch 8
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/attention_speed.py --tokens 1024 --batch 8 --json speed.json
+
+`--json` writes the timings with the commit and CPU (atomically), for a decisions-page figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -40,6 +43,7 @@ def main() -> None:
     ap.add_argument("--layer", type=int, default=10)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--opt", action="append", default=[], help="fadkv option key=value, repeatable")
+    ap.add_argument("--json", help="write the timings here")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -67,6 +71,7 @@ def main() -> None:
     inv_freq = 1.0 / (100000.0 ** (torch.arange(0, d, 2).float() / d))  # SmolLM2's RoPE base
     dense = best_ms(lambda: grouped_attention(query, keys, values, None, d ** -0.5), args.repeats)
     print(f"{t} tokens x {b} rows, one layer, {torch.get_num_threads()} threads; dense fp32 (grouped): {dense:.2f} ms")
+    rows = [{"path": "dense fp32 (grouped)", "ms": round(dense, 3)}]
     for label, stem, mode in (("pre-RoPE keys (default)", "smollm2-135m-prerope", "pre-rope"),
                               ("post-RoPE keys", "smollm2-135m", "post-rope")):
         dictionaries = KVDictionary.load(dictionary_lookup.dictionary_dir() / f"{stem}.safetensors")
@@ -82,8 +87,21 @@ def main() -> None:
                 continue
             state = CodedState.build([layer], None, 1, {})  # built once a forward, before it: not timed
             coded = best_ms(lambda: layer.attend(None, query, None, None, None, d ** -0.5, state), args.repeats)
-            print(f"fadkv {label}, {'fused kernel' if kernel == 'auto' else 'PyTorch path'}: {coded:.2f} ms "
-                  f"({coded / dense:.2f}x dense), {layer.coded_pos.shape[1]} tokens coded")
+            path = f"fadkv {label}, {'fused kernel' if kernel == 'auto' else 'PyTorch path'}"
+            print(f"{path}: {coded:.2f} ms ({coded / dense:.2f}x dense), {layer.coded_pos.shape[1]} tokens coded")
+            rows.append({"path": path, "ms": round(coded, 3), "vs_dense": round(coded / dense, 3)})
+    if args.json:
+        from kvzip.bench.runner import _cpu_model
+        import json
+
+        from kvzip.files import write_atomic
+        from kvzip.runs import commit
+
+        record = {"command": "scripts/attention_speed.py " + " ".join(sys.argv[1:]), "commit": commit(),
+                  "cpu": _cpu_model(), "threads": torch.get_num_threads(), "tokens": t, "rows": b, "options": opts,
+                  "timings": rows}
+        write_atomic(args.json, json.dumps(record, indent=1) + "\n")
+
 
 if __name__ == "__main__":
     main()

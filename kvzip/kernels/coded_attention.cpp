@@ -2,6 +2,8 @@
 //
 // A coded token t of one KV head is s atom numbers idx[t, j] (int16, int32, or packed in ten bits) and s
 // coefficients c[t, j] (int8 or int4 with one fp16 scale per vector, or fp16): k_t = sum_j c[t, j] D[idx[t, j]].
+// Atoms are read in fp16 (dictionaries are fp16, so exactly) and widened in registers: half the bytes of the
+// gathers that bound the pre-RoPE rebuild.
 // For each row b this computes the attention of the G query rows of each KV head (one new token) over the coded
 // tokens and the dense tier (sinks and the recent buffer):
 // - pre-RoPE keys (`rope_cs` given): kLanes coded keys at a time are rebuilt from their s atoms into a tile in L1, the
@@ -45,8 +47,8 @@ struct Args {
   const at::Half *k_scale, *v_scale;           // (B, H, T) or null
   int64_t ki_b, ki_h, kc_b, kc_h, ks_b, ks_h;  // row and head strides: key numbers, coefficients, scales
   int64_t vi_b, vi_h, vc_b, vc_h, vs_b, vs_h, cp_b;  // the same for values; coded_pos
-  const float *k_shared, *v_shared;            // the shared atoms, rows of d found by offset
-  const float *k_extra, *v_extra;              // (E, d) the zero row and every row's own atoms
+  const at::Half *k_shared, *v_shared;         // the shared atoms in fp16, rows of d found by offset
+  const at::Half *k_extra, *v_extra;           // (E, d) the zero row and every row's own atoms, fp16
   const int64_t *k_offsets, *v_offsets;        // (B, Ntot) where each atom number is (atom_offsets)
   const float* key_mean;                       // (H, d) or null
   const float* rope_cs;                        // (P, 2, rope_dim / 2) scaled cos, then sin, by position, or null
@@ -80,7 +82,7 @@ struct Work {
   std::vector<float> scores;        // (H, G, L + S): a chunk's scores, then its weights
   std::vector<float> qd;            // (G, k_ntot) q.D per atom (post-RoPE keys)
   std::vector<float> tile;          // (kLanes, d) rebuilt keys (pre-RoPE keys)
-  std::vector<const float*> atoms;  // (k_ntot) where each key atom's row is (pre-RoPE keys)
+  std::vector<const at::Half*> atoms;  // (k_ntot) where each key atom's row is (pre-RoPE keys)
   std::vector<char> seen;           // (L + S) which tokens the query sees
 };
 
@@ -110,16 +112,29 @@ template <typename T> inline int64_t token_width(int64_t s) { return s; }
 template <> inline int64_t token_width<Packed10>(int64_t s) { return s + (s + 3) / 4; }
 template <> inline int64_t token_width<Nibbles>(int64_t s) { return s / 2; }
 
+// Number j of a token's s atom numbers, `tok` its codes.
+template <typename idx_t>
+inline int32_t number_at(const idx_t* tok, int64_t s, int64_t j) { return static_cast<int32_t>(tok[j]); }
+template <>
+inline int32_t number_at<Packed10>(const Packed10* tok, int64_t s, int64_t j) {
+  const uint8_t* bytes = &tok->byte;
+  return bytes[j] | (((bytes[s + j / 4] >> (2 * (j % 4))) & 3) << 8);
+}
+
 // Token t's s atom numbers, from the codes of one row and KV head.
 template <typename idx_t>
 inline void read_numbers(const idx_t* codes, int64_t t, int64_t s, int32_t* out) {
-  const idx_t* tok = codes + t * s;
-  for (int64_t j = 0; j < s; ++j) out[j] = static_cast<int32_t>(tok[j]);
+  const idx_t* tok = codes + t * token_width<idx_t>(s);
+  for (int64_t j = 0; j < s; ++j) out[j] = number_at(tok, s, j);
 }
-template <>
-inline void read_numbers<Packed10>(const Packed10* codes, int64_t t, int64_t s, int32_t* out) {
-  const uint8_t* tok = &codes[t * token_width<Packed10>(s)].byte;
-  for (int64_t j = 0; j < s; ++j) out[j] = tok[j] | (((tok[s + j / 4] >> (2 * (j % 4))) & 3) << 8);
+
+// Token t's s atoms' rows, looked up as each number is read: a vector gather of the rows from numbers just stored
+// to the stack stalled on the stores (perf: the gather's next instruction held 7% of the kernel's time).
+template <typename idx_t>
+inline void read_atoms(const idx_t* codes, int64_t t, int64_t s, const at::Half* const* rows, const at::Half** out) {
+  const idx_t* tok = codes + t * token_width<idx_t>(s);
+#pragma GCC novector
+  for (int64_t j = 0; j < s; ++j) out[j] = rows[number_at(tok, s, j)];
 }
 
 // Token t's s coefficients times `unit` (its scale, or 1), from the coefficients of one row and KV head.
@@ -137,7 +152,7 @@ inline void read_coefs<Nibbles>(const Nibbles* coefs, int64_t t, int64_t s, floa
   }
 }
 
-inline const float* atom_at(const float* shared, const float* extra, int64_t offset, int64_t d) {
+inline const at::Half* atom_at(const at::Half* shared, const at::Half* extra, int64_t offset, int64_t d) {
   return offset >= 0 ? shared + offset : extra + (-1 - offset) * d;
 }
 
@@ -218,7 +233,7 @@ void attend_chunk(const Args& a, const Partials& p, int64_t b, int64_t c, int64_
     const int64_t half = a.rope_dim / 2;
     const bool whole = half % kLanes == 0;  // the turned halves are whole vectors (else turned channel by channel)
     float* tile = work.tile.data();
-    const float** k_atoms = work.atoms.data();  // atom number -> its row, for this row of the batch
+    const at::Half** k_atoms = work.atoms.data();  // atom number -> its row, for this row of the batch
     for (int64_t n = 0; n < a.k_ntot; ++n) k_atoms[n] = atom_at(a.k_shared, a.k_extra, k_offsets[n], d);
     for (int64_t t0 = lo; t0 < hi; t0 += kLanes) {
       const int64_t n = std::min(kLanes, hi - t0);
@@ -235,15 +250,13 @@ void attend_chunk(const Args& a, const Partials& p, int64_t b, int64_t c, int64_
           }
           const float unit = k_scale ? static_cast<float>(k_scale[t]) : 1.f;
           float cf[kMaxSparsity];  // the token's coefficients and atoms first, so the sums below wait on loads alone
-          int32_t num[kMaxSparsity];
-          const float* atoms[kMaxSparsity];
+          const at::Half* atoms[kMaxSparsity];
           read_coefs(k_coef, t, a.s_k, unit, cf);
-          read_numbers(k_idx, t, a.s_k, num);
-          for (int64_t j = 0; j < a.s_k; ++j) atoms[j] = k_atoms[num[j]];
+          read_atoms(k_idx, t, a.s_k, k_atoms, atoms);
           vf k[NV ? NV : kMaxHead / kLanes];
           for (int64_t v = 0; v < nv; ++v) k[v] = mean ? load(mean + v * kLanes) : vf{};
           for (int64_t j = 0; j < a.s_k; ++j)
-            for (int64_t v = 0; v < nv; ++v) k[v] += cf[j] * load(atoms[j] + v * kLanes);
+            for (int64_t v = 0; v < nv; ++v) k[v] += cf[j] * load_as_float(atoms[j] + v * kLanes);
           const float* cos = a.rope_cs + a.coded_pos[b * a.cp_b + t] * 2 * half;  // RoPE at the token's position:
           const float* sin = cos + half;                                          // channel i turns with i + half
           if (whole) {
@@ -287,8 +300,10 @@ void attend_chunk(const Args& a, const Partials& p, int64_t b, int64_t c, int64_
       const coef_t* k_coef = typed<coef_t>(a.k_coef, b * a.kc_b + h * a.kc_h);
       const at::Half* k_scale = key_scale(h);
       for (int64_t n = 0; n < a.k_ntot; ++n) {  // q.D once per query row, gathered by code below
-        const float* atom = atom_at(a.k_shared, a.k_extra, k_offsets[n], d);
-        for (int64_t g = 0; g < G; ++g) qd[g * a.k_ntot + n] = dot_rows(a.q + ((b * H + h) * G + g) * d, atom, nv);
+        const at::Half* atom = atom_at(a.k_shared, a.k_extra, k_offsets[n], d);
+        vf k[NV ? NV : kMaxHead / kLanes];
+        for (int64_t v = 0; v < nv; ++v) k[v] = load_as_float(atom + v * kLanes);
+        for (int64_t g = 0; g < G; ++g) qd[g * a.k_ntot + n] = dot_vf(a.q + ((b * H + h) * G + g) * d, k, nv);
       }
       for (int64_t g = 0; g < G; ++g) {
         const float* q = a.q + ((b * H + h) * G + g) * d;
@@ -322,8 +337,15 @@ void attend_chunk(const Args& a, const Partials& p, int64_t b, int64_t c, int64_
   const int64_t part = (b * p.C + c) * H;  // this chunk's first (KV head) entry in the partials
   for (int64_t hg = 0; hg < H * G; ++hg) {
     float* w = scores + hg * WL;
+    vf tops = vf{} + neg_inf;  // the largest score, kLanes running maxima at a time (a scalar one waits on each)
+    int64_t t0 = 0;
+    for (; t0 + kLanes <= WL; t0 += kLanes) {
+      const vf x = load(w + t0);
+      tops = x > tops ? x : tops;
+    }
     float top = neg_inf;
-    for (int64_t t = 0; t < WL; ++t) top = w[t] > top ? w[t] : top;
+    for (int64_t i = 0; i < kLanes; ++i) top = tops[i] > top ? tops[i] : top;
+    for (; t0 < WL; ++t0) top = w[t0] > top ? w[t0] : top;
     float total = 0.f;
     if (top == neg_inf) {
       std::fill(w, w + WL, 0.f);
@@ -441,7 +463,8 @@ void attend(const Args& a) {
   const int64_t longest = (a.T + C - 1) / C + a.S;
   at::parallel_for(0, a.B * C, 1, [&](int64_t begin, int64_t end) {
     Work work{std::vector<float>(H * G * longest), std::vector<float>(a.rope_cs ? 0 : G * a.k_ntot),
-              std::vector<float>(a.rope_cs ? kLanes * a.d : 0), std::vector<const float*>(a.rope_cs ? a.k_ntot : 0),
+              std::vector<float>(a.rope_cs ? kLanes * a.d : 0),
+              std::vector<const at::Half*>(a.rope_cs ? a.k_ntot : 0),
               std::vector<char>(longest)};
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / C, c = task % C;
@@ -506,10 +529,10 @@ void check_codes(const Tensor& idx, const Tensor& coef, const std::optional<Tens
   } else {
     TORCH_CHECK(coef.scalar_type() == at::kHalf, kind, " int8 coefficients need their scales");
   }
-  TORCH_CHECK(shared.scalar_type() == at::kFloat && shared.size(-1) == d && shared.stride(-1) == 1, kind,
-              " shared atoms must be float32 rows of d");
-  TORCH_CHECK(extra.dim() == 2 && extra.size(1) == d && extra.scalar_type() == at::kFloat && extra.is_contiguous(),
-              kind, " extra atoms must be (E, d) float32, contiguous");
+  TORCH_CHECK(shared.scalar_type() == at::kHalf && shared.size(-1) == d && shared.stride(-1) == 1, kind,
+              " shared atoms must be float16 rows of d");
+  TORCH_CHECK(extra.dim() == 2 && extra.size(1) == d && extra.scalar_type() == at::kHalf && extra.is_contiguous(),
+              kind, " extra atoms must be (E, d) float16, contiguous");
   TORCH_CHECK(offsets.dim() == 2 && offsets.size(0) == B && offsets.scalar_type() == at::kLong &&
                   offsets.is_contiguous(),
               kind, " offsets must be (B, Ntot) int64, contiguous");
@@ -576,7 +599,8 @@ Tensor coded_decode_attention(const Tensor& q, const Tensor& k_idx, const Tensor
          k_scale ? k_scale->stride(0) : 0, k_scale ? k_scale->stride(1) : 0,
          v_idx.stride(0), v_idx.stride(1), v_coef.stride(0), v_coef.stride(1),
          v_scale ? v_scale->stride(0) : 0, v_scale ? v_scale->stride(1) : 0, coded_pos.stride(0),
-         k_shared.data_ptr<float>(), v_shared.data_ptr<float>(), k_extra.data_ptr<float>(), v_extra.data_ptr<float>(),
+         k_shared.data_ptr<at::Half>(), v_shared.data_ptr<at::Half>(), k_extra.data_ptr<at::Half>(),
+         v_extra.data_ptr<at::Half>(),
          k_offsets.data_ptr<int64_t>(), v_offsets.data_ptr<int64_t>(),
          key_mean ? key_mean->data_ptr<float>() : nullptr, rope_cs ? rope_cs->data_ptr<float>() : nullptr,
          coded_pos.data_ptr<int64_t>(), dense_k.data_ptr(), dense_v.data_ptr(), dense_k.stride(0), dense_k.stride(1),

@@ -46,12 +46,17 @@ inline vf load_as_float(const scalar_t* p) {
     std::memcpy(&v, &bits, sizeof(v));
     return v;
 #if defined(__F16C__)
-  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {  // eight halves at a time by the CPU's own conversion
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {  // by the CPU's own conversion, a register at a time
     vf v;
+#if defined(__AVX512F__)
+    const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    std::memcpy(&v, &x, sizeof(v));
+#else
     for (int64_t i = 0; i < kLanes; i += 8) {
       const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
       std::memcpy(reinterpret_cast<float*>(&v) + i, &x, sizeof(x));
     }
+#endif
     return v;
 #endif
   } else {

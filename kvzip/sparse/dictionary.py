@@ -156,8 +156,8 @@ def prepare_layers(dictionaries: KVDictionary, device, paired: bool | list[int] 
     if key not in dictionaries.prepared:
         atoms = []
         for i in picked:
-            d_k = dictionaries.keys[i].float().to(device)
-            d_v = dictionaries.values[i].float().to(device)
+            d_k = dictionaries.keys[i].half().float().to(device)  # fp16-exact, as files store them and the fused
+            d_v = dictionaries.values[i].half().float().to(device)  # attention kernel reads them
             mean = None if dictionaries.key_mean is None else dictionaries.key_mean[i].float().to(device)
             if paired:
                 dim = None if paired is True else paired[i]

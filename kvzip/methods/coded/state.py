@@ -179,7 +179,8 @@ class CodedKind:
         """The atoms each row sees, as the fused kernels read them (kvzip.sparse.atoms.atom_offsets): the shared
         atoms (N, d), an extra table (a zero row for appended numbers no vector fills yet, then every row's overlay
         vectors) and offsets (B, Ntot) int64. With `rope_dim` (pre-RoPE key atoms, kept in `to_pairs` order) the
-        atoms are in the model's channel order, as the kernel turns keys. Rebuilt only when the overlay changed."""
+        atoms are in the model's channel order, as the kernel turns keys. The kernel reads atoms in fp16, which holds
+        them exactly (kvzip.sparse.dictionary.prepare_layers rounds them so). Rebuilt only when the overlay changed."""
         ov = self.overlay
         if self._lookup is None or self._lookup[0] != (ov.version, rope_dim):
             n, d = self.atoms.shape
@@ -189,11 +190,11 @@ class CodedKind:
             if width:
                 live_rows, slots = (ov.ids >= 0).nonzero(as_tuple=True)
                 rows[live_rows, ov.ids[live_rows, slots]] = n + 1 + live_rows * width + slots
-            shared = self.atoms
-            extra = torch.cat([self.atoms.new_zeros(1, d), ov.vectors.reshape(-1, d).float()])
+            kept = self._lookup[1] if self._lookup is not None and self._lookup[0][1] == rope_dim else None
+            shared = kept if kept is not None else self.atoms if rope_dim is None else from_pairs(self.atoms, rope_dim)
+            shared = shared.half().contiguous()
+            extra = torch.cat([self.atoms.new_zeros(1, d), ov.vectors.reshape(-1, d).float()]).half()
             if rope_dim is not None:
-                kept = self._lookup[1] if self._lookup is not None and self._lookup[0][1] == rope_dim else None
-                shared = kept if kept is not None else from_pairs(self.atoms, rope_dim).contiguous()
                 extra = from_pairs(extra, rope_dim).contiguous()
             self._lookup = ((ov.version, rope_dim), shared, extra, atom_offsets(rows, shared, n))
         return self._lookup[1:]
