@@ -2,8 +2,7 @@
 //
 // A coded token t of one KV head is s atom numbers idx[t, j] (int16, int32, or packed in ten bits) and s
 // coefficients c[t, j] (int8 or int4 with one fp16 scale per vector, or fp16): k_t = sum_j c[t, j] D[idx[t, j]].
-// Atoms are read in fp16 (dictionaries are fp16, so exactly) and widened in registers: half the bytes of the
-// gathers that bound the pre-RoPE rebuild.
+// Atoms are read in fp16 (dictionaries are fp16 files, so exactly) and widened in registers.
 // For each row b this computes the attention of the G query rows of each KV head (one new token) over the coded
 // tokens and the dense tier (sinks and the recent buffer):
 // - pre-RoPE keys (`rope_cs` given): kLanes coded keys at a time are rebuilt from their s atoms into a tile in L1, the
@@ -133,7 +132,6 @@ inline void read_numbers(const idx_t* codes, int64_t t, int64_t s, int32_t* out)
 template <typename idx_t>
 inline void read_atoms(const idx_t* codes, int64_t t, int64_t s, const at::Half* const* rows, const at::Half** out) {
   const idx_t* tok = codes + t * token_width<idx_t>(s);
-#pragma GCC novector
   for (int64_t j = 0; j < s; ++j) out[j] = rows[number_at(tok, s, j)];
 }
 

@@ -297,9 +297,9 @@ class KVCache(Cache):
             layer.reorder_cache(beam_idx)
 
     def for_scoring(self) -> bool:
-        """Called before a pass that only scores (teacher forcing): a cache may then trade process memory and the
-        pass's speed for time, never its numbers or its memory report. True when it did (the pass's speed is then
-        not the method's). No-op by default."""
+        """Called before a pass that only scores (teacher forcing): a cache may then spend process memory to save
+        time, never changing its numbers or its memory report. True when it did (the pass's speed is then not the
+        method's). No-op by default."""
         return False
 
     def memory(self) -> dict[str, int]:
