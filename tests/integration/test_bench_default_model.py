@@ -36,6 +36,9 @@ def test_quick_bench_reports_the_issue_fields(tmp_path):
             r = by[label, workload]
             for key in ("method", "options", "kv_bytes_peak", "kv_bytes_device_peak", "kv_bytes_full",
                         "kv_ratio_vs_full", "decode_tokens_per_s", *fields):
+                if key == "decode_tokens_per_s" and r.get("scoring_shortcut"):  # the peers' scoring passes: untimed
+                    assert r[key] is None and label.startswith("hf-") and workload != "capacity"
+                    continue
                 assert r.get(key) is not None, (label, workload, key)
     # the quality workload: every method but full holds fewer bytes than full on the device, and all but zoomr over
     # every tier (zoomr keeps each token's detail off the device: on a 768-token document its tiers together held
