@@ -47,28 +47,29 @@ def stored_bytes(obj) -> int:
 class _PeerMemory(FullBytes):
     """Memory report for transformers' quantized layers (mixed in first); their full-cache equivalent is `FullBytes`
     over `cumulative_length` (their get_seq_length), every layer full attention. With `keep` set (scoring passes),
-    `_dequantize` keeps its result per stored state (by identity) until the layer replaces that state."""
+    `_dequantize` keeps its result for the keys and for the values until the layer replaces that state."""
 
     keep = False
-    _kept: dict | None = None  # id(a stored state, or fp8's scale) -> (that object, its dequantized copy)
+    _kept: list | None = None  # [keys, values]: (the state the copy was made from, its dequantized copy)
 
     def reset(self) -> None:
         super().reset()
         self._kept = None
 
+    def _slot(self, stored) -> int:
+        """0 for the keys' state, 1 for the values' (the layers dequantize the very objects they hold)."""
+        if self._kept is None:
+            self._kept = [None, None]
+        return 0 if stored is self._quantized_keys else 1
+
     def _dequantize(self, stored):
         if not self.keep:
             return super()._dequantize(stored)
-        held = self._held(stored, (self._quantized_keys, self._quantized_values))
-        out = held if held is not None else super()._dequantize(stored)
-        self._kept[id(stored)] = (stored, out)
-        return out
-
-    def _held(self, key, current: tuple):
-        """The copy kept for `key` (None if none), after dropping the copies of objects no longer in `current`."""
-        self._kept = {k: v for k, v in (self._kept or {}).items() if any(v[0] is c for c in current)}
-        held = self._kept.get(id(key))
-        return held[1] if held is not None and held[0] is key else None
+        slot = self._slot(stored)
+        held = self._kept[slot]
+        if held is None or held[0] is not stored:  # a flush replaced the state: dequantize it once
+            held = self._kept[slot] = (stored, super()._dequantize(stored))
+        return held[1]
 
     def lazy_initialization(self, key_states, value_states):
         record_shape(self, key_states)
@@ -106,15 +107,16 @@ class PeerFp8Layer(_PeerMemory, Fp8QuantizedLayer):
         return super()._quantize(torch.maximum(torch.minimum(tensor.float(), limit), -limit), scale)
 
     def _dequantize(self, stored):
-        """Keyed by the state's scale, which is frozen: each step appends codes to a new tuple with the same scale,
+        """The copy is matched by the state's scale, which is frozen: each step appends codes to a new tuple with it,
         so the copy dequantizes the new tokens alone (the cast is elementwise: the same values), into a buffer that
         grows by doubling, of which the valid part is returned as a view."""
         cast = lambda codes: Fp8QuantizedLayer._dequantize(self, (codes, stored[1]))  # noqa: E731
         if not self.keep:
             return cast(stored[0])
-        held = self._held(stored[1], (self._quantized_keys[1], self._quantized_values[1]))
-        n, done = stored[0].shape[-2], 0 if held is None else held[1]
-        buffer = None if held is None else held[0]
+        slot = self._slot(stored)
+        held = self._kept[slot]  # (scale, buffer, tokens in it): the scale is the state's lasting part
+        buffer, done = (held[1], held[2]) if held is not None and held[0] is stored[1] else (None, 0)
+        n = stored[0].shape[-2]
         if buffer is None or buffer.shape[-2] < n:
             grown = torch.empty(*stored[0].shape[:-2], max(2 * n, 256), stored[0].shape[-1], dtype=self.keys.dtype,
                                 device=stored[0].device)
@@ -122,7 +124,7 @@ class PeerFp8Layer(_PeerMemory, Fp8QuantizedLayer):
                 grown[..., :done, :] = buffer[..., :done, :]
             buffer = grown
         buffer[..., done:n, :] = cast(stored[0][..., done:, :])
-        self._kept[id(stored[1])] = (stored[1], (buffer, n))
+        self._kept[slot] = (stored[1], buffer, n)
         return buffer[..., :n, :]
 
 
