@@ -16,18 +16,20 @@
 #   bash scripts/full_run.sh budgets-reasoning  # GSM8K on the reasoning model at 0.25 of each problem's full cache
 #   bash scripts/full_run.sh capacity-4k        # throughput at equal memory at 4,096 new tokens: full, fadkv, zoomr, rkv
 #
-# The quality parts (output, prompt-recall, reasoning) run in bf16 on every machine, so that a part begun on one CPU
-# resumes on another (the bench refuses a resume in another dtype); speed and capacity run in `--dtype auto`, the
-# dtype this CPU runs fastest. Arguments after the part go to `kvzip bench` as they are.
+# The quality parts run in bf16 on every machine (the bench refuses a resume in another dtype); speed and capacity run
+# in `--dtype auto`, the dtype this CPU runs fastest. Arguments after the part go to `kvzip bench` as they are.
 #
 # The bench runs from a worktree of the tag (../kvzip-TAG beside this checkout, made on first use), so what is
 # measured is the tag's code whatever this checkout holds; its JSON, plot and, while a part is unfinished, its pieces
 # folder land in results/TAG/ here, to be committed. Running a part again resumes it (`--resume`, in the
 # dtype the part began in: the bench refuses when the commit or the settings differ). Stop a part with Ctrl-C or
 # SIGTERM: the cell in flight is lost, every finished one is already in the pieces folder (the first tag's bench,
-# results-1, did not stop inside a generated batch: stop that one with SIGKILL). speed pairs each method with `full`
-# inside its own cell, so it may resume on another machine; capacity compares each method's batch with full's batch
-# run earlier, so it resumes only on the CPU it began on (its model and flags, kept beside the pieces folder).
+# results-1, did not stop inside a generated batch: stop that one with SIGKILL). A part whose cells are scored
+# against `full`'s run resumes only on the CPU it began on (its model and flags, kept beside the pieces folder): a
+# resume reruns `full`, and bf16 on another CPU computes another reference (AMX and AVX-512 BF16 found 441 and 448 key
+# positions in the same 4,096 x 8 text, results/decisions/frontier_cross_cpu_rkv.json), so one table would mix two;
+# capacity compares each method's batch with full's batch run earlier. speed pairs each method with `full` inside its
+# own cell, and recall scores answers, not a reference: those two may resume anywhere.
 # Environment: KVZIP_RESULTS_TAG (default results-2), KVZIP_RESULTS_TREE (the worktree's folder).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -67,10 +69,11 @@ mkdir -p "$out"
 json=$out/$part.json
 # A finished run removes its pieces folder; an interrupted one keeps it beside a JSON marked "interrupted".
 if [ -e "$json" ] && [ ! -d "$json.parts" ]; then echo "$json is finished; nothing to do"; exit 0; fi
-if [[ "$part" == capacity* ]]; then  # its ratios compare batches run one after another: one machine from start to end
-  machine=$(lscpu | sed -n 's/^Model name: *//p'; nproc; { grep -o 'avx512_bf16\|amx_bf16\|avx512f' /proc/cpuinfo || true; } | sort -u)
-  if [ -d "$json.parts" ] && [ "$(cat "$json.machine" 2>/dev/null)" != "$machine" ]; then
-    echo "$json.parts began on another CPU ($json.machine): remove both to run capacity whole here" >&2; exit 2
+if [[ "$part" != speed && "$part" != budgets-recall ]]; then  # scored against full's run: one CPU from start to end
+  machine=$(lscpu | sed -n 's/^Model name: *//p'; nproc --all; { grep -o 'avx512_bf16\|amx_bf16\|avx512f' /proc/cpuinfo || true; } | sort -u)
+  if [ -d "$json.parts" ] && [ -e "$json.machine" ] && [ "$(cat "$json.machine")" != "$machine" ]; then
+    echo "$json.parts began on another CPU ($json.machine): resume it there, or remove both to run $part whole here" >&2
+    exit 2
   fi
   printf '%s\n' "$machine" > "$json.machine"
 fi
