@@ -100,6 +100,19 @@ def test_a_budget_the_method_cannot_reach_is_noted():
     assert not window.note and int(window.options["window"]) + int(window.options["sinks"]) == int(0.125 * 2094)
 
 
+def test_an_unreachable_thought_plan_counts_the_options_the_user_fixed():
+    """The floor a note names is the smallest plan with the user's own options: 2 summary tokens and 8 zoomed 16-token
+    thoughts do not fit 0.25 of 2,048 tokens, and the floor says what they hold, not what 1 and 1 would."""
+    shape = Shape(layers=30, heads=9, kv_heads=3, head_dim=64, element_size=2)
+    budget = Budget(0.25, 46, 2048, shape, tier="device")
+    opts = {"max_thought_tokens": "16", "min_thought_tokens": "4", "zoom_thoughts": "8", "summary_tokens": "2"}
+    p = plan("zoomr", budget, opts)
+    assert p.note and p.expected > 0.25 and "2 summary tokens a thought, 8 zoomed thoughts" in p.note
+    assert p.options["summary_tokens"] == "2" and p.options["zoom_thoughts"] == "8"
+    loose = plan("zoomr", budget, {k: v for k, v in opts.items() if k != "summary_tokens"})
+    assert not loose.note and loose.expected <= 0.25 * (1 + TOLERANCE)
+
+
 def test_budget_options_and_user_options():
     shape = Shape(layers=30, heads=9, kv_heads=3, head_dim=64, element_size=2)
     budget = Budget(0.25, 46, 4096, shape)

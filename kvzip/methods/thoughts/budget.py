@@ -142,15 +142,20 @@ def _detail_options(detail: tuple[str, int]) -> dict:
 
 def _unreachable(options, budget: Budget, zoom: int, summaries: int, host: float, detail: tuple | None = None,
                  fixed=()) -> Plan:
-    """The smallest options (a 16-token tail, one summary token a thought, one zoomed thought), with the note."""
+    """The smallest options (a 16-token tail, one summary token a thought, one zoomed thought, each unless the user
+    fixed it), with the note."""
     cap = caps(options, fixed)[-1]
-    smallest = {"window": TAIL_MIN, "summary_tokens": 1, **({"zoom_thoughts": 1} if zoom else {}),
+    tail = options.window if "window" in fixed else TAIL_MIN
+    summaries = options.summary_tokens if "summary_tokens" in fixed else 1
+    zooms = (options.zoom_thoughts if "zoom_thoughts" in fixed else 1) if zoom else 0
+    smallest = {"window": tail, "summary_tokens": summaries, **({"zoom_thoughts": zooms} if zoom else {}),
                 **(_detail_options(detail) if detail else {}),
                 **({"max_thought_tokens": cap} if cap != options.max_thought_tokens else {})}
-    floor = device_tokens(budget, TAIL_MIN, 1, min(zoom, 1), thought_tokens(options, cap), cap,
+    floor = device_tokens(budget, tail, summaries, zooms, thought_tokens(options, cap), cap,
                           index_tokens(options, budget, zoom)) / budget.tokens + host
     how = "".join(f" {k}={v}" for k, v in _detail_options(detail).items()) if detail else ""
     how = f" with{how}" if how else ""
+    each = "a summary token a thought" if summaries == 1 else f"{summaries} summary tokens a thought"
+    zoomed = "" if not zoom else f", {zooms} zoomed thought{'s' if zooms > 1 else ''}"
     return Plan({k: v for k, v in smallest.items() if k not in fixed}, floor,
-                f"holds at least {floor:.3f} of full's bytes{how} (the prompt, a {TAIL_MIN}-token tail, a summary "
-                "token a thought)")
+                f"holds at least {floor:.3f} of full's bytes{how} (the prompt, a {tail}-token tail, {each}{zoomed})")
