@@ -123,7 +123,7 @@ def plan(options, budget: Budget, fixed, zoom: int, details: tuple[tuple[str, in
     if budget.tier == "device" or not details:
         found = solve(budget, budget.fraction * t, options, defaults, zoom, fixed)
         if found is None:
-            return _unreachable(options, budget, zoom, defaults, 0.0, fixed=fixed)
+            return _unreachable(options, budget, zoom, 0.0, fixed=fixed)
         return Plan(found, held(budget, options, found, zoom) / t)
     thought = thought_tokens(options)
     for detail in details:
@@ -132,7 +132,7 @@ def plan(options, budget: Budget, fixed, zoom: int, details: tuple[tuple[str, in
         if found is not None:
             return Plan({**found, **_detail_options(detail)}, held(budget, options, found, zoom) / t + host)
     host = detail_ratio(details[-1][0], budget, thought, details[-1][1]) * max(t - budget.prompt_tokens, 0) / t
-    return _unreachable(options, budget, zoom, defaults, host, details[-1], fixed)
+    return _unreachable(options, budget, zoom, host, details[-1], fixed)
 
 
 def _detail_options(detail: tuple[str, int]) -> dict:
@@ -140,8 +140,7 @@ def _detail_options(detail: tuple[str, int]) -> dict:
     return {"detail": name, **({"detail_sparsity": sparsity} if sparsity else {})}
 
 
-def _unreachable(options, budget: Budget, zoom: int, summaries: int, host: float, detail: tuple | None = None,
-                 fixed=()) -> Plan:
+def _unreachable(options, budget: Budget, zoom: int, host: float, detail: tuple | None = None, fixed=()) -> Plan:
     """The smallest options (a 16-token tail, one summary token a thought, one zoomed thought, each unless the user
     fixed it), with the note."""
     cap = caps(options, fixed)[-1]
