@@ -118,6 +118,8 @@ class Fadkv(Method):
     adapt_threshold: float = 0.5
     max_new_atoms: int = 4
     buffer: int = 128
+    zoom: int = 0  # > 0: exact detail off the device, this many chunks of it read a step (kvzip/methods/coded/zoom.py)
+    zoom_chunk: int = 32
     code_chunk: int = 32
     sinks: int = 4
     keys: str = "auto"  # auto: as the dictionary was trained; the default file is the pre-RoPE one when shipped
@@ -141,12 +143,14 @@ class Fadkv(Method):
                        max_new_atoms=self.max_new_atoms, adapt_threshold=self.adapt_threshold)
         if self.coef_format == "int4" and (self.sparsity % 2 or self.value_sparsity % 2):
             raise ValueError("coef_format=int4 packs two coefficients a byte: sparsity and value_sparsity must be even")
-        if self.buffer < 0 or self.sinks < 0:
-            raise ValueError("buffer and sinks must be >= 0")
+        if self.buffer < 0 or self.sinks < 0 or self.zoom < 0:
+            raise ValueError(f"buffer, sinks and zoom must be >= 0, got {self.buffer}, {self.sinks}, {self.zoom}")
+        check_positive(zoom_chunk=self.zoom_chunk)
 
     def plan_budget(self, budget, fixed):
         """Sparsity and buffer (why in docs/fadkv.md): the most atoms, from the default down, that leave a buffer of
-        at least 16 tokens; the buffer takes whatever F leaves, past its default when F is large."""
+        at least 16 tokens; the buffer takes whatever F leaves, past its default when F is large. With `zoom` the
+        zoomed tokens come off F first."""
         from kvzip.budget import Plan
 
         t, shape = budget.tokens, budget.shape
@@ -160,9 +164,13 @@ class Fadkv(Method):
             numbers = coded.packed_width(s) if self.packed_numbers() else 2 * s
             return (s * coef + numbers + (0 if self.coef_format == "fp16" else 2)) / shape.vector_bytes
 
+        # with `zoom`: one step's zoomed tokens on the device, and every token's exact detail off it (in the model's
+        # dtype, as `full` holds them), which only an all-tier budget counts
+        zoomed = min(self.zoom * self.zoom_chunk, t) / t + (1.0 if self.zoom and budget.tier == "all" else 0.0)
+
         def expected(s: int, vs: int, buffer: int) -> float:
             held = min(self.sinks + buffer + self.code_chunk - 1, t)
-            return (held * dense + (t - held) * (code(s) + code(vs)) / 2) / t
+            return (held * dense + (t - held) * (code(s) + code(vs)) / 2) / t + zoomed
 
         sparsities = [self.sparsity] if "sparsity" in fixed else list(range(self.sparsity, 1, -1))
         if self.coef_format == "int4":  # two coefficients a byte: even sparsities only
@@ -180,7 +188,9 @@ class Fadkv(Method):
         s, buffer = sparsities[-1], self.buffer if "buffer" in fixed else 16
         floor = expected(s, s, buffer)
         smallest = {k: v for k, v in (("sparsity", s), ("buffer", buffer)) if k not in fixed}
-        return Plan(smallest, floor, f"holds at least {floor:.3f} of full's bytes (sparsity {s}, a {buffer}-token buffer)")
+        why = ", every token's exact detail off the device: count the device tier" if self.zoom else ""
+        return Plan(smallest, floor, f"holds at least {floor:.3f} of full's bytes (sparsity {s}, a {buffer}-token "
+                                     f"buffer{why})")
 
     def dictionary_keys(self) -> tuple[str, ...]:
         """`keys` when set; with keys=auto the method's preferred mode first, then the other."""

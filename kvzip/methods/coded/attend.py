@@ -73,14 +73,7 @@ def coded_attention(query, mask, scaling, tiers: Tiers, key_mean: torch.Tensor |
     # (B, H, g*q, d): query heads grouped under their KV head, scaled once here rather than every score
     qg = query.float().reshape(b, h, g * q, d) * scaling
     dense_scores = qg @ tiers.keys.float().transpose(-1, -2)  # (B, H, gq, S)
-    if rope is not None:
-        scores = torch.cat([prerope_scores(qg, tiers.coded_keys, key_mean, rope, inputs.turns), dense_scores], -1)
-    else:
-        keys = tiers.coded_keys
-        k_scores = coded.coded_scores(keys.atom_scores(qg), keys.numbers(), keys.codes.coefficients())
-        if key_mean is not None:
-            k_scores = k_scores + qg @ key_mean[None, :, :, None].float()  # (B, H, gq, 1)
-        scores = torch.cat([k_scores, dense_scores], -1)
+    scores = torch.cat([coded_key_scores(qg, tiers.coded_keys, key_mean, rope, inputs), dense_scores], -1)
     positions = torch.cat([tiers.coded_pos, tiers.positions], 1)
     allowed = allowed_tokens(mask, positions, q, scores.shape[-1], query.device)
     allowed = allowed.expand(b, q, -1)[:, None, None].expand(b, h, g, q, -1).reshape(b, h, g * q, -1)
@@ -92,12 +85,27 @@ def coded_attention(query, mask, scaling, tiers: Tiers, key_mean: torch.Tensor |
     if q > 1:  # several query positions (a follow-up prompt) share each rebuilt value: rebuild chunk by chunk
         out = out + rebuilt_values(w[..., :t], tiers.coded_values, d)
     else:  # decoding: weights summed per atom, one product with the value dictionary
-        values = tiers.coded_values
-        v_idx, v_st, v_sc = values.numbers(), values.codes.stored, values.codes.scale
-        w_coded = w[..., :t] if v_sc is None else w[..., :t] * v_sc.float().transpose(-1, -2)  # scales folded in
-        w_atoms = coded.atom_weights(w_coded, v_idx.long(), coded.dequantize(v_st, None), values.n_total() + 1)
-        out = out + values.values_from_atoms(w_atoms)
+        out = out + coded_value_sum(w[..., :t], tiers.coded_values)
     return out.view(b, h, g, q, d).reshape(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def coded_key_scores(qg: torch.Tensor, keys: CodedKind, key_mean: torch.Tensor | None, rope: Rope | None,
+                     inputs: LayerInputs) -> torch.Tensor:
+    """qg (B, H, G, d), scaled, against the coded keys -> (B, H, G, T): pre-RoPE keys rebuilt chunk by chunk
+    (`prerope_scores`), post-RoPE ones by q·D gathered by code plus one q·mean term."""
+    if rope is not None:
+        return prerope_scores(qg, keys, key_mean, rope, inputs.turns)
+    scores = coded.coded_scores(keys.atom_scores(qg), keys.numbers(), keys.codes.coefficients())
+    return scores if key_mean is None else scores + qg @ key_mean[None, :, :, None].float()  # (B, H, G, 1)
+
+
+def coded_value_sum(w: torch.Tensor, values: CodedKind) -> torch.Tensor:
+    """One decode query's weights w (B, H, G, T) over the coded values -> Σ_t w_t v_t (B, H, G, d): weights summed
+    per atom (value scales folded in), one product with the value dictionary."""
+    v_idx, v_st, v_sc = values.numbers(), values.codes.stored, values.codes.scale
+    w = w if v_sc is None else w * v_sc.float().transpose(-1, -2)
+    w_atoms = coded.atom_weights(w, v_idx.long(), coded.dequantize(v_st, None), values.n_total() + 1)
+    return values.values_from_atoms(w_atoms)
 
 
 def fused_attention(query, mask, scaling, tiers: Tiers, rope: Rope | None, inputs: LayerInputs) -> torch.Tensor:

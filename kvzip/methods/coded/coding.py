@@ -56,6 +56,8 @@ class CodedOptions(typing.Protocol):
     buffer: int
     sinks: int
     kernel: str
+    zoom: int
+    zoom_chunk: int
 
     def packed_numbers(self, atoms: int) -> bool: ...
 

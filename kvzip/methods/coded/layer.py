@@ -14,6 +14,7 @@ from kvzip.methods.base import DenseLayer, tensor_bytes
 from kvzip.methods.coded.attend import LayerInputs, Tiers, coded_attention
 from kvzip.methods.coded.coding import CodedOptions
 from kvzip.methods.coded.state import CodedKind
+from kvzip.methods.coded.zoom import HostDetail, zoomed_attention
 from kvzip.rope import as_rope, from_pairs, visible_from
 from kvzip.sparse.dictionary import LayerAtoms
 
@@ -37,6 +38,7 @@ class FadkvLayer(DenseLayer):
         self.kernel_mean = None if mean is None else (
             mean if self.rope is None else from_pairs(mean, self.rope.dim)).contiguous()
         self.pad = None  # (B,) left-padding tokens of each row (positions below it are padding), set by the prefill
+        self.detail = None  # with `zoom`: every token's exact keys and values off the device (coded/zoom.py)
 
     def set_padding(self, padding: torch.Tensor) -> None:
         """Each row's left padding, from the first prompt's mask (a later prompt continues the same rows)."""
@@ -45,7 +47,16 @@ class FadkvLayer(DenseLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.pad = None
+        self.pad, self.detail = None, None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """The dense tier's update; with `zoom`, the new tokens' exact keys and values also go to the detail tier."""
+        out = super().update(key_states, value_states, *args, **kwargs)
+        if self.cfg.zoom:
+            if self.detail is None:
+                self.detail = HostDetail()
+            self.detail.append(key_states, value_states)
+        return out
 
     def dense_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dense tier (sinks + buffer) is kept in half precision when the model runs fp32: it is a cache, not a
@@ -73,22 +84,31 @@ class FadkvLayer(DenseLayer):
         """Attention over the dense and coded tiers, with what `state` (a `CodedState`) hands this layer; coding runs
         after the forward (FadkvCache.after_forward)."""
         inputs = LayerInputs() if state is None else state.of(self.idx)
+        if self.cfg.zoom and query.shape[2] == 1 and self.coded_pos.shape[1]:
+            return zoomed_attention(query, mask, scaling, self.tiers(), self.key_mean, self.rope, inputs, self.detail,
+                                    self.cfg.zoom, self.cfg.zoom_chunk)
         return coded_attention(query, mask, scaling, self.tiers(), self.key_mean, self.rope, inputs)
 
     def fused(self) -> bool:
         """Whether one new token's attention runs in the fused CPU kernel (kvzip/kernels) rather than the PyTorch
-        reference: `kernel=auto`, on the CPU, int8, int4 or fp16 coefficients, head sizes and sparsities the kernel
-        holds, and the kernel built."""
+        reference: `kernel=auto`, no `zoom` (the PyTorch path), on the CPU, int8, int4 or fp16 coefficients, head
+        sizes and sparsities the kernel holds, and the kernel built."""
         d = self.keys.shape[-1]
-        return (self.cfg.kernel == "auto" and self.keys.device.type == "cpu"
+        return (self.cfg.kernel == "auto" and not self.cfg.zoom and self.keys.device.type == "cpu"
                 and self.coded_keys.codes.stored.dtype in (torch.int8, torch.uint8, torch.float16) and d % 16 == 0
                 and d <= 256
                 and max(self.coded_keys.sparsity, self.coded_values.sparsity) <= 64 and kernels.available())
 
     def memory(self) -> dict[str, int]:
         k, v = (kind.bytes() for kind in self.kinds)
-        return {"device": tensor_bytes(self.keys, self.values), "codes": k["codes"] + v["codes"],
-                "dictionary": k["dictionary"] + v["dictionary"]}
+        out = {"device": tensor_bytes(self.keys, self.values), "codes": k["codes"] + v["codes"],
+               "dictionary": k["dictionary"] + v["dictionary"]}
+        if self.detail is not None and self.detail.keys is not None:  # exact detail off the device, a step's zoom on it
+            out["host"] = self.detail.bytes()
+            zoomed = min(self.cfg.zoom * self.cfg.zoom_chunk, self.coded_pos.shape[1])
+            vector = self.keys.shape[-1] * self.detail.keys.element_size()
+            out["device"] += 2 * self.batch * self.kv_heads * zoomed * vector
+        return out
 
     def _slide(self) -> None:
         """Sliding-window layer, after attending: drop what its next query can no longer see. Coded tokens before the
