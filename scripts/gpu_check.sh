@@ -72,6 +72,12 @@ for method in fadkv zoomr; do
   head -c 600 "$OUT/generate_${method}_cuda.json"; echo
 done
 
+step "kvzip generate --method fadkv --opt zoom=4 --device cuda (exact detail in pinned host memory)"
+"$PY" -m kvzip.cli generate --device cuda --method fadkv --opt zoom=4 --max-new-tokens 96 --json \
+  "A train leaves at 3 pm and travels 60 km/h for 2.5 hours. How far does it go? Think step by step." \
+  > "$OUT/generate_fadkv_zoom_cuda.json" 2> "$OUT/generate_fadkv_zoom_cuda.err" || { status=1; cat "$OUT/generate_fadkv_zoom_cuda.err"; }
+head -c 600 "$OUT/generate_fadkv_zoom_cuda.json"; echo
+
 printf '%s\n' '{"prompt": "What is 17 x 23? Think step by step."}' '{"prompt": "Name three prime numbers above 50."}' \
   '{"prompt": "Explain why the sky is blue in two sentences."}' > "$OUT/device_map_prompts.jsonl"
 for method in fadkv zoomr; do

@@ -132,3 +132,21 @@ def test_zooming_in_on_every_chunk_generates_as_full_on_every_family(name):
     got, cache = run(name, tiny_method("fadkv", zoom="1000", zoom_chunk="8"))
     assert any(layer.coded_pos.shape[1] for layer in cache.layers)
     assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_zooming_in_on_every_chunk_decodes_as_full_on_cuda(tokenizer, tiny_dictionaries):
+    """The detail in pinned host memory, the chosen positions read back and their keys and values copied up: fp32 on
+    CUDA, every chunk zoomed decodes as full."""
+    from tests.conftest import tiny_llama
+    from tests.test_engine import _to_cuda
+
+    model = tiny_llama().to("cuda")
+    full = _forced(model, tokenizer, get_method("full").make_cache(model))
+    cache = get_method("fadkv", {**SMALL, "zoom": "1000", "zoom_chunk": "8"}).make_cache(
+        model, _to_cuda(tiny_dictionaries))
+    run_ = _forced(model, tokenizer, cache, full.reference)
+    assert cache.layers[0].detail.keys.is_pinned()
+    scores = run_.scores(full.reference)
+    assert scores["top1_agreement"] == 1.0 and scores["kl"] < 1e-5, scores
