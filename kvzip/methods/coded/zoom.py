@@ -10,9 +10,8 @@ holds the codes, the dense sinks and buffer, and one step's `zoom x zoom_chunk` 
 
 The codes make a better index than zoomr's summary tokens (which keep a few tokens of each thought): every token
 keeps a code, so the chunk a query needs is found, and the chunks not zoomed still answer through their codes. At a
-device budget of 0.25 of a 2,048-token output (4 rows, 75 key positions, docs/decisions.md) zooming 4 chunks of 32 on
-codes planned at 0.1875 scored key top-1 0.947 and key KL 0.017, where fadkv alone scored 0.800 and 0.156 and window
-0.760 and 0.214.
+device budget of 0.25 of a 2,048-token output (4 rows, 75 key positions, docs/decisions.md) `zoom=4` scored key top-1
+0.960 and key KL 0.015, where fadkv alone scored 0.800 and 0.124 and window 0.760 and 0.214.
 
 The choice is made within the step, from this step's query: on a GPU that is one read of the chosen positions back to
 the host a layer and step (the one value this path reads back; the widths come from the detail's length, a Python
