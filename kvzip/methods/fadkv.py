@@ -12,6 +12,8 @@ FAD-KV (Zhu et al., 2026) and its predecessor Lexico (Kim et al., ICML 2025; arX
   pre-RoPE scores rebuild one chunk of keys at a time (mean added back, RoPE applied, chunk dropped). Values are
   summed per atom and multiplied by the value dictionary once (kvzip/sparse/coded_attention.py).
 FAD-KV's coder is screening (top-n candidates by |Dᵀx|, pursuit on the pool); Lexico's is OMP over all atoms.
+With `zoom` (off by default) every token's exact K/V also goes off the device, and each decode step a layer reads back
+the chunks its coded attention weighs most (ZoomR's retrieval over the codes: kvzip/methods/coded/zoom.py).
 
 Fixed-size adaptation (FAD-KV): per sequence, a reference count per atom over live codes. When a coded vector's
 relative residual exceeds `adapt_threshold`, its normalised residual becomes a new atom in place of an inactive one
